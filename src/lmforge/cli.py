@@ -1,0 +1,74 @@
+"""`lmforge` command line: `lmforge train @ a.toml @ b.toml --data.seq-len 2048 ...` (`sft` is the same)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+
+USAGE_TRAIN = """usage: lmforge train [@ FILE.toml ...] [--section.field VALUE ...] [--no-section.flag]
+                     [--overwrite] [--dry-run]
+
+Config files are deep-merged left to right, then the flags apply (later wins). Run under torchrun for several
+processes: torchrun --nproc-per-node 8 -m lmforge train @ run.toml"""
+
+
+def _err(message: str) -> None:
+    Console(stderr=True).print(f"[bold red]lmforge:[/] {message}", highlight=False, soft_wrap=True)
+
+
+def train_command(argv: list[str]) -> int:
+    """Validate the config, then train on this process's rank; returns the exit code."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE_TRAIN)
+        return 0
+    from lmforge.config import ConfigError, dump_toml, load_train_config
+    from lmforge.train.parallel import env_world_size
+
+    overwrite = "--overwrite" in argv
+    argv = [a for a in argv if a != "--overwrite"]
+    try:
+        config, raw = load_train_config(argv, env_world_size())
+    except ConfigError as e:
+        _err(str(e))
+        return 2
+    if raw.dry_run:
+        print(dump_toml(config), end="")
+        return 0
+
+    from lmforge.train.parallel import init_distributed, shutdown_distributed
+    from lmforge.train.trainer import Trainer, prepare_output_dir
+
+    ctx = init_distributed()
+    try:
+        if ctx.is_main:
+            try:
+                prepare_output_dir(config, overwrite)
+            except ConfigError as e:
+                _err(str(e))
+                return 2
+        Trainer(config, ctx).train()
+    finally:
+        shutdown_distributed()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `lmforge` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="lmforge", description="Train language models: pretraining and SFT.")
+    parser.add_argument("command", choices=["train"], help="train: run the training loop (pretraining or SFT)")
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        return train_command(rest)
+    parser.parse_args(argv[:1])  # prints the usage error for an unknown command
+    return 2
+
+
+def sft_main() -> int:
+    """Entry point of the `sft` console script: the same trainer as `lmforge train`."""
+    return main(["train", *sys.argv[1:]])

@@ -1,0 +1,49 @@
+"""`[data]`: what the model reads. Variants are chosen by `type`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from lmforge.config.base import Section
+
+
+class BatchFields(Section):
+    """Batch geometry shared by every data type. All sizes are in tokens."""
+
+    seq_len: int = Field(gt=0)
+    """Tokens per training window (the longest context the model sees)."""
+
+    batch_tokens: int = Field(gt=0)
+    """Tokens per optimizer step, over all ranks; must be a multiple of micro_batch_tokens x world size."""
+
+    micro_batch_tokens: int = Field(gt=0)
+    """Tokens per forward pass on one rank (one packed row); a multiple of seq_len."""
+
+    seed: int = 0
+    """Seed of the data order."""
+
+    document_masking: bool = True
+    """Restart attention and positions at every document boundary inside a window."""
+
+
+class FakeDataConfig(BatchFields):
+    """`data.type = "fake"`: random tokens with random document lengths, for smoke runs and benchmarks."""
+
+    type: Literal["fake"] = "fake"
+    """Data type: random tokens generated on the fly."""
+
+    vocab_size: int = Field(default=512, ge=2)
+    """Number of distinct token ids drawn (the model's vocabulary, as no tokenizer is involved)."""
+
+    mean_doc_len: float = Field(default=256.0, gt=1)
+    """Mean document length in tokens (lengths are geometric)."""
+
+    pattern: Literal["uniform", "repeat"] = "uniform"
+    """`uniform`: independent tokens (the loss cannot fall below ln(vocab_size)); `repeat`: each document repeats
+    a random motif of 4-32 tokens, which a model learns to copy in context, so the loss falls well below that."""
+
+
+DataConfig = Annotated[FakeDataConfig, Field(discriminator="type")]
+"""Any data type, chosen by its `type` field."""

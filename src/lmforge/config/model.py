@@ -1,0 +1,57 @@
+"""`[model]`: architecture, init, attention backend, precision and the parallelism knobs of the model."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from lmforge.config.base import Section
+from lmforge.model.config import ArchConfig
+
+
+class InitConfig(Section):
+    """`[model.init]`: how a from-scratch model is initialized."""
+
+    std: float = Field(default=0.02, gt=0)
+    """Standard deviation of the normal init of every weight matrix and embedding."""
+
+    seed: int = 0
+    """Seed of the init; values depend only on it and the parameter names, not on the world size."""
+
+
+class ACConfig(Section):
+    """`[model.ac]`: activation checkpointing of decoder blocks."""
+
+    mode: Literal["none", "full"] = "none"
+    """`none` keeps all activations; `full` recomputes a checkpointed block's forward during backward."""
+
+    freq: int = Field(default=1, ge=1)
+    """Checkpoint every freq-th block (1 = every block)."""
+
+
+class ModelConfig(Section):
+    """`[model]`: what is trained and how it is laid out on the devices."""
+
+    arch: ArchConfig
+    """The architecture: `model_type` plus its fields (see docs/model.md)."""
+
+    init: InitConfig = InitConfig()
+    """From-scratch initialization."""
+
+    attn: Literal["auto", "flash", "varlen", "flex", "sdpa", "sdpa_loop"] = "auto"
+    """Document-masked attention backend; `auto` picks the fastest one that can train on the device."""
+
+    param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Dtype of parameters in forward/backward (master weights and gradient reduction stay fp32);
+    `auto` is bfloat16 on CUDA and float32 on CPU."""
+
+    compile: bool = False
+    """Compile each decoder block with torch.compile."""
+
+    ac: ACConfig = ACConfig()
+    """Activation checkpointing."""
+
+    defer_grad_sync: bool = False
+    """Reduce-scatter gradients once per optimizer step instead of after every micro-batch: less communication,
+    but unsharded gradients stay in memory across the micro-batches of a step."""

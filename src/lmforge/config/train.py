@@ -1,0 +1,42 @@
+"""The root config of `lmforge train`."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from lmforge.config.base import Section
+from lmforge.config.data import DataConfig
+from lmforge.config.model import ModelConfig
+from lmforge.config.optim import OptimConfig, ScheduleConfig
+
+
+class LogConfig(Section):
+    """`[log]`: console and metrics-file output."""
+
+    interval: int = Field(default=1, ge=1)
+    """Write a console line and a metrics.jsonl record every interval steps (and at the last step)."""
+
+
+class TrainConfig(Section):
+    """Everything a training run needs. Written back to `<output_dir>/config.toml`."""
+
+    max_steps: int = Field(gt=0)
+    """Number of optimizer steps of the run."""
+
+    output_dir: str
+    """Run directory: resolved config, metrics.jsonl, checkpoints, logs."""
+
+    model: ModelConfig
+    """The model."""
+
+    data: DataConfig
+    """The training data."""
+
+    optim: OptimConfig
+    """The optimizer."""
+
+    schedule: ScheduleConfig = ScheduleConfig()
+    """The learning-rate schedule."""
+
+    log: LogConfig = LogConfig()
+    """Console and metrics output."""

@@ -1,0 +1,124 @@
+"""The micro-batch contract, and how a step's windows are dealt to ranks and micro-batches.
+
+Every data type yields micro-batches of the same form: a dict of 1-row tensors of length T (see DESIGN.md):
+`input_ids`, `target_ids`, `position_ids` (int64 [1, T]), `loss_mask` (bool [1, T]) and `seq_lens`
+(int32 [S], adding up to T). Attention and positions restart at every segment.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+MicroBatch = dict[str, Tensor]
+"""One forward pass worth of packed tokens (see the module docstring for its keys)."""
+
+MICRO_BATCH_KEYS = ("input_ids", "target_ids", "position_ids", "loss_mask", "seq_lens")
+
+
+@dataclass(frozen=True)
+class Window:
+    """`seq_len + 1` consecutive tokens and how their first `seq_len` positions split into segments."""
+
+    tokens: np.ndarray
+    """seq_len + 1 token ids: inputs are tokens[:-1], targets tokens[1:]."""
+    seg_lens: Sequence[int]
+    """Segment lengths over the seq_len input positions (one per document, or [seq_len])."""
+    loss_mask: np.ndarray | None = None
+    """Optional bool mask over the seq_len targets; None means every target counts."""
+
+
+def segments_from_doc_starts(starts: Sequence[int], seq_len: int) -> list[int]:
+    """Segment lengths of a window whose documents begin at the given input positions (0 < start < seq_len)."""
+    cuts = [0, *sorted(s for s in starts if 0 < s < seq_len), seq_len]
+    return [b - a for a, b in itertools.pairwise(cuts) if b > a]
+
+
+def pack_windows(windows: Sequence[Window]) -> MicroBatch:
+    """Concatenate windows into one micro-batch; each window's segments stay separate segments."""
+    if not windows:
+        raise ValueError("a micro-batch needs at least one window")
+    inputs, targets, masks, seg_lens = [], [], [], []
+    for w in windows:
+        n = len(w.tokens) - 1
+        if sum(w.seg_lens) != n:
+            raise ValueError(f"window segments add up to {sum(w.seg_lens)}, expected {n}")
+        inputs.append(w.tokens[:-1])
+        targets.append(w.tokens[1:])
+        masks.append(np.ones(n, dtype=bool) if w.loss_mask is None else w.loss_mask)
+        seg_lens.extend(int(s) for s in w.seg_lens)
+    lens = torch.tensor(seg_lens, dtype=torch.int32)
+    return {
+        "input_ids": torch.from_numpy(np.concatenate(inputs).astype(np.int64)).unsqueeze(0),
+        "target_ids": torch.from_numpy(np.concatenate(targets).astype(np.int64)).unsqueeze(0),
+        "position_ids": positions_from_seq_lens(lens).unsqueeze(0),
+        "loss_mask": torch.from_numpy(np.concatenate(masks).astype(bool)).unsqueeze(0),
+        "seq_lens": lens,
+    }
+
+
+def positions_from_seq_lens(seq_lens: Tensor) -> Tensor:
+    """int64 positions that restart at 0 at every segment."""
+    lens = seq_lens.to(torch.int64)
+    total = int(lens.sum())
+    starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+    return torch.arange(total, dtype=torch.int64) - starts
+
+
+def null_micro_batch(like: MicroBatch) -> MicroBatch:
+    """A micro-batch of the same shape whose loss mask is empty: it adds exactly zero to the gradient."""
+    t = like["input_ids"].shape[1]
+    zeros = torch.zeros(1, t, dtype=torch.int64)
+    return {
+        "input_ids": zeros,
+        "target_ids": zeros.clone(),
+        "position_ids": torch.arange(t, dtype=torch.int64).unsqueeze(0),
+        "loss_mask": torch.zeros(1, t, dtype=torch.bool),
+        "seq_lens": torch.tensor([t], dtype=torch.int32),
+    }
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """How one optimizer step's windows are dealt: per step, per rank, per micro-batch."""
+
+    windows_per_step: int
+    """Windows consumed by one optimizer step over all ranks."""
+    windows_per_micro_batch: int
+    """Windows packed into one micro-batch."""
+    rank: int
+    """This rank."""
+    world_size: int
+    """Number of ranks."""
+
+    @classmethod
+    def from_tokens(
+        cls, seq_len: int, batch_tokens: int, micro_batch_tokens: int, rank: int, world_size: int
+    ) -> StepLayout:
+        """The layout of a config whose sizes are in tokens (checked by the config loader)."""
+        return cls(batch_tokens // seq_len, micro_batch_tokens // seq_len, rank, world_size)
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Gradient accumulation steps on each rank."""
+        return self.windows_per_step // (self.windows_per_micro_batch * self.world_size)
+
+    def rank_windows(self, first_window: int) -> range:
+        """Global indices of this rank's windows in the step that starts at global window `first_window`.
+
+        Ranks take contiguous slices of the step's windows, so the windows a global step trains on do not depend
+        on the world size.
+        """
+        per_rank = self.windows_per_step // self.world_size
+        start = first_window + self.rank * per_rank
+        return range(start, start + per_rank)
+
+    def split(self, indices: Sequence[int]) -> list[Sequence[int]]:
+        """Cut a rank's windows into micro-batches."""
+        k = self.windows_per_micro_batch
+        return [indices[i : i + k] for i in range(0, len(indices), k)]

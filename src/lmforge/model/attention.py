@@ -1,0 +1,225 @@
+"""Document-masked causal attention.
+
+A packed row holds several segments (documents or samples). Attention must stay inside each segment and be
+causal within it. Every backend here receives the same `DocumentMask`, built once per forward from the
+micro-batch's `seq_lens`, and the same `[T, heads, head_dim]` tensors:
+
+- `flash`: flash-attn's varlen kernel (CUDA, when the package is installed);
+- `varlen`: PyTorch's `torch.nn.attention.varlen.varlen_attn` (CUDA);
+- `flex`: PyTorch flex attention with a document block mask (compiled on CUDA; on CPU it has no backward);
+- `sdpa`: scaled-dot-product attention with an explicit block-diagonal causal mask (runs anywhere);
+- `sdpa_loop`: one causal SDPA call per segment (runs anywhere; fast for few, short segments).
+
+Plain causal SDPA over the whole row would let a segment see the one before it, so it is not offered.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+BACKENDS = ("flash", "varlen", "flex", "sdpa", "sdpa_loop")
+"""Names accepted by `model.attn`, besides `auto`."""
+
+
+@dataclass
+class DocumentMask:
+    """Segment layout of one packed row, shared by every layer of a forward pass."""
+
+    seq_lens: list[int]
+    """Length of each segment, in order; they add up to the row length."""
+    cu_seqlens: Tensor
+    """int32 [S + 1] cumulative segment offsets on the compute device."""
+    max_seqlen: int
+    """Longest segment."""
+    doc_ids: Tensor
+    """int32 [T]: the segment index of each position, on the compute device."""
+    cache: dict[str, object] = field(default_factory=dict)
+    """Backend-specific masks, built on first use and reused by the other layers."""
+
+    @classmethod
+    def from_seq_lens(cls, seq_lens: Tensor, device: torch.device) -> DocumentMask:
+        """Build the mask from a micro-batch's `seq_lens`.
+
+        `seq_lens` should live on the CPU (as the data pipeline produces it): its values are needed on the
+        host for `max_seqlen`, and reading them from the CPU costs no device synchronization.
+        """
+        lens = [int(n) for n in seq_lens.tolist()]
+        if not lens or min(lens) <= 0:
+            raise ValueError(f"seq_lens must be positive segment lengths, got {lens}")
+        lens_t = torch.tensor(lens, dtype=torch.int32)
+        cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        torch.cumsum(lens_t, 0, out=cu[1:])
+        doc_ids = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), lens_t)
+        return cls(
+            seq_lens=lens,
+            cu_seqlens=cu.to(device, non_blocking=True),
+            max_seqlen=max(lens),
+            doc_ids=doc_ids.to(device, non_blocking=True),
+        )
+
+    @property
+    def total(self) -> int:
+        """Row length T."""
+        return int(self.doc_ids.numel())
+
+
+AttentionFn = Callable[[Tensor, Tensor, Tensor, DocumentMask], Tensor]
+"""q [T, Hq, D], k and v [T, Hkv, D], mask -> output [T, Hq, D]."""
+
+
+def _to_bhtd(x: Tensor) -> Tensor:
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _from_bhtd(x: Tensor) -> Tensor:
+    return x.squeeze(0).transpose(0, 1)
+
+
+def dense_document_mask(mask: DocumentMask) -> Tensor:
+    """Boolean [T, T] mask: True where query i may attend to key j (same segment, j <= i)."""
+    dense = mask.cache.get("dense")
+    if dense is None:
+        ids = mask.doc_ids
+        same = ids[:, None] == ids[None, :]
+        dense = torch.tril(same)
+        mask.cache["dense"] = dense
+    return dense  # type: ignore[return-value]
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
+    """SDPA with an explicit block-diagonal causal mask."""
+    out = F.scaled_dot_product_attention(
+        _to_bhtd(q), _to_bhtd(k), _to_bhtd(v), attn_mask=dense_document_mask(mask), enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return _from_bhtd(out)
+
+
+def sdpa_loop_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
+    """One causal SDPA call per segment."""
+    gqa = q.shape[1] != k.shape[1]
+    outs = [
+        _from_bhtd(
+            F.scaled_dot_product_attention(_to_bhtd(qs), _to_bhtd(ks), _to_bhtd(vs), is_causal=True, enable_gqa=gqa)
+        )
+        for qs, ks, vs in zip(q.split(mask.seq_lens), k.split(mask.seq_lens), v.split(mask.seq_lens), strict=True)
+    ]
+    return torch.cat(outs, dim=0)
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., Tensor]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_block_mask(mask: DocumentMask) -> object:
+    """The flex-attention BlockMask of a document mask (built once per forward)."""
+    block = mask.cache.get("flex")
+    if block is None:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        ids = mask.doc_ids
+
+        def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+        block = create_block_mask(document_causal, None, None, mask.total, mask.total, device=ids.device)
+        mask.cache["flex"] = block
+    return block
+
+
+def flex_attention_fn(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
+    """Flex attention with a document block mask; compiled on CUDA, eager (forward only) on CPU."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = _compiled_flex() if q.is_cuda else flex_attention
+    out = fn(
+        _to_bhtd(q), _to_bhtd(k), _to_bhtd(v), block_mask=flex_block_mask(mask), enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return _from_bhtd(out)  # type: ignore[arg-type]
+
+
+def _repeat_kv(x: Tensor, groups: int) -> Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
+    """PyTorch's varlen flash attention (CUDA). Handles both the torch 2.11 and the newer signature."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _varlen_params()
+    kwargs: dict[str, object] = {}
+    if "is_causal" in params:
+        kwargs["is_causal"] = True
+    else:
+        kwargs["window_size"] = (-1, 0)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    else:
+        k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+    cu = mask.cu_seqlens
+    return varlen_attn(q, k, v, cu, cu, mask.max_seqlen, mask.max_seqlen, **kwargs)  # type: ignore[return-value]
+
+
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
+    """flash-attn's varlen kernel (CUDA, bf16/fp16); it supports grouped-query attention natively."""
+    from flash_attn import flash_attn_varlen_func
+
+    cu = mask.cu_seqlens
+    return flash_attn_varlen_func(q, k, v, cu, cu, mask.max_seqlen, mask.max_seqlen, causal=True)
+
+
+_FUNCTIONS: dict[str, AttentionFn] = {
+    "flash": flash_attention,
+    "varlen": varlen_attention,
+    "flex": flex_attention_fn,
+    "sdpa": sdpa_attention,
+    "sdpa_loop": sdpa_loop_attention,
+}
+
+
+def backend_available(name: str, device: torch.device) -> bool:
+    """Whether backend `name` can run forward and backward on `device`."""
+    if name in ("sdpa", "sdpa_loop"):
+        return True
+    if device.type != "cuda":
+        return False
+    if name == "flash":
+        return importlib.util.find_spec("flash_attn") is not None
+    if name == "varlen":
+        return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    return name == "flex"
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """Turn `auto` into the fastest backend available on `device`, and check that a named one can run there."""
+    if name == "auto":
+        order = ("flash", "varlen", "flex") if device.type == "cuda" else ("sdpa",)
+        return next(b for b in (*order, "sdpa") if backend_available(b, device))
+    if name not in _FUNCTIONS:
+        raise ValueError(f"unknown attention backend {name!r}; expected auto or one of {', '.join(BACKENDS)}")
+    if not backend_available(name, device):
+        raise ValueError(f"attention backend {name!r} cannot train on {device.type}; use 'auto' or 'sdpa'")
+    return name
+
+
+def get_attention(name: str) -> AttentionFn:
+    """The attention function of a resolved backend name."""
+    return _FUNCTIONS[name]

@@ -1,0 +1,161 @@
+"""Dense decoder of the Llama family (Llama, Qwen3) with HF parameter names.
+
+Module and parameter names are exactly those of `transformers`' `LlamaForCausalLM` / `Qwen3ForCausalLM`
+(`model.layers.0.self_attn.q_proj.weight`, ...), so a state dict moves between the two without renaming.
+A forward pass takes one packed row and its segment lengths; positions and attention restart per segment.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lmforge.model.attention import AttentionFn, DocumentMask, get_attention
+from lmforge.model.config import LlamaArch, Qwen3Arch
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32, scaled by a learned weight (HF convention)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Normalize over the last dimension."""
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rotary_cos_sin(position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin tables [T, head_dim] for the given positions (HF's half-split layout, computed in fp32)."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.int64).float() / head_dim)
+    )
+    freqs = position_ids.reshape(-1).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [T, heads, head_dim] by the position tables [T, head_dim]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE and optional per-head QK-norm."""
+
+    def __init__(self, arch: LlamaArch | Qwen3Arch, attention: AttentionFn) -> None:
+        super().__init__()
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.kv_heads
+        self.head_dim = arch.dim_per_head
+        bias = arch.attention_bias
+        self.q_proj = nn.Linear(arch.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(arch.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(arch.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, arch.hidden_size, bias=bias)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+        self.qk_norm = arch.qk_norm
+        self.attention = attention
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attention(q, k, v, mask)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward block."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder block: attention then MLP, each on a residual branch."""
+
+    def __init__(self, arch: LlamaArch | Qwen3Arch, attention: AttentionFn) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, attention)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch.hidden_size, arch.intermediate_size)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder blocks and final norm (HF's `model.` prefix)."""
+
+    def __init__(self, arch: LlamaArch | Qwen3Arch, vocab_size: int, attention: AttentionFn) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, attention) for _ in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, seq_lens: Tensor) -> Tensor:
+        """input_ids and position_ids [1, T], seq_lens [S] -> final hidden states [1, T, hidden]."""
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"a micro-batch is one packed row; got batch size {input_ids.shape[0]}")
+        x = self.embed_tokens(input_ids[0])
+        mask = DocumentMask.from_seq_lens(seq_lens, x.device)
+        if mask.total != x.shape[0]:
+            raise ValueError(f"seq_lens add up to {mask.total} but the row holds {x.shape[0]} tokens")
+        cos, sin = rotary_cos_sin(position_ids, self.arch.dim_per_head, self.arch.rope_theta, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return self.norm(x).unsqueeze(0)
+
+
+class CausalLM(nn.Module):
+    """A decoder with its LM head (HF's `*ForCausalLM` layout)."""
+
+    def __init__(self, arch: LlamaArch | Qwen3Arch, vocab_size: int, attn_backend: str = "sdpa") -> None:
+        super().__init__()
+        self.arch = arch
+        self.vocab_size = vocab_size
+        self.attn_backend = attn_backend
+        self.model = DecoderModel(arch, vocab_size, get_attention(attn_backend))
+        self.lm_head = nn.Linear(arch.hidden_size, vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        """The repeated blocks: the units of sharding, activation checkpointing and compilation."""
+        return list(self.model.layers)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, seq_lens: Tensor) -> Tensor:
+        """input_ids and position_ids [1, T], seq_lens [S] -> logits [1, T, vocab]."""
+        return self.lm_head(self.model(input_ids, position_ids, seq_lens))

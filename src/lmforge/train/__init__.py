@@ -1,0 +1,1 @@
+"""The training loop: setup, micro-batches, parallelism, metrics and hooks."""

@@ -1,0 +1,116 @@
+"""Forward and backward over one optimizer step's micro-batches.
+
+The loss of a step is the mean over every loss token of the global batch. Its denominator, the global count of
+loss tokens, is known before the first backward (counted on the host from the CPU micro-batches, then one
+all-reduce), so each micro-batch backpropagates `sum of its token losses / global count` and the accumulated
+gradient is exactly that of the mean. Nothing in the loop reads a device value on the host: statistics stay on
+the device until the step's single reduction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+
+from lmforge.data.batch import MicroBatch, null_micro_batch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class MicroBatchStats:
+    """Device-side sums over this rank's micro-batches of one step."""
+
+    loss_sum: Tensor
+    """fp64 sum of token losses of the finite micro-batches."""
+    loss_tokens: Tensor
+    """Loss tokens of the finite micro-batches."""
+    tokens: Tensor
+    """All tokens processed (finite or not)."""
+    nan_count: Tensor
+    """Micro-batches whose loss was not finite."""
+    finite: Tensor
+    """bool [micro-batches]: which micro-batches had a finite loss."""
+
+
+def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
+    """Move a micro-batch to the compute device; `seq_lens` stays on the CPU, where its values are read."""
+    return {k: v if k == "seq_lens" else v.to(device, non_blocking=True) for k, v in mb.items()}
+
+
+def token_loss_sum(model: nn.Module, mb: MicroBatch) -> Tensor:
+    """Sum of the cross-entropy (fp32) over the loss tokens of one micro-batch."""
+    logits = model(mb["input_ids"], mb["position_ids"], mb["seq_lens"])
+    targets = mb["target_ids"].masked_fill(~mb["loss_mask"], IGNORE_INDEX)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def global_loss_tokens(micro_batches: Sequence[MicroBatch], device: torch.device) -> Tensor:
+    """Loss tokens of the whole step over all ranks, as a device scalar (one all-reduce)."""
+    local = sum(int(mb["loss_mask"].sum()) for mb in micro_batches)
+    count = torch.tensor(float(local), device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(count)
+    return count.clamp_min(1.0)
+
+
+def _set_sync(model: nn.Module, sync: bool) -> None:
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+        model.set_reshard_after_backward(sync)
+
+
+def run_micro_batches(
+    model: nn.Module, micro_batches: Sequence[MicroBatch], device: torch.device, defer_grad_sync: bool = False
+) -> MicroBatchStats:
+    """Accumulate the gradient of the step's mean token loss over this rank's micro-batches.
+
+    With `defer_grad_sync`, FSDP reduce-scatters only after the last micro-batch. A micro-batch whose loss is not
+    finite is counted and excluded from the loss statistics; its gradient is removed by `rerun_without_nonfinite`.
+    """
+    n = len(micro_batches)
+    denom = global_loss_tokens(micro_batches, device)
+    zero = torch.zeros((), device=device)
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    loss_tokens, tokens, nan_count = zero.clone(), zero.clone(), zero.clone()
+    finite_flags = torch.zeros(n, dtype=torch.bool, device=device)
+    for i, cpu_mb in enumerate(micro_batches):
+        mb = to_device(cpu_mb, device)
+        if defer_grad_sync:
+            _set_sync(model, i == n - 1)
+        ce_sum = token_loss_sum(model, mb)
+        (ce_sum / denom).backward()
+        with torch.no_grad():
+            finite = torch.isfinite(ce_sum)
+            finite_flags[i] = finite
+            loss_sum += torch.where(finite, ce_sum.double(), 0.0)
+            loss_tokens += torch.where(finite, mb["loss_mask"].sum().float(), 0.0)
+            tokens += mb["input_ids"].numel()
+            nan_count += (~finite).float()
+    if defer_grad_sync:
+        _set_sync(model, True)
+    return MicroBatchStats(loss_sum, loss_tokens, tokens, nan_count, finite_flags)
+
+
+def rerun_without_nonfinite(
+    model: nn.Module,
+    micro_batches: Sequence[MicroBatch],
+    finite: Sequence[bool],
+    device: torch.device,
+    defer_grad_sync: bool = False,
+) -> None:
+    """Recompute the step's gradient with every non-finite micro-batch replaced by one that adds nothing.
+
+    Called on every rank when any rank saw a non-finite loss (known after the step's reduction), so all ranks run
+    the same number of forward/backward passes and FSDP's collectives stay matched. Gradients are zeroed first;
+    the result is the gradient of the mean loss over the finite micro-batches' tokens.
+    """
+    model.zero_grad(set_to_none=True)
+    kept = [mb if ok else null_micro_batch(mb) for mb, ok in zip(micro_batches, finite, strict=True)]
+    run_micro_batches(model, kept, device, defer_grad_sync)

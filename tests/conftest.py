@@ -1,0 +1,46 @@
+"""Shared test helpers: tiny architectures, CPU-thread pinning, and skipping `gpu` tests without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmforge.model.config import LlamaArch, Qwen3Arch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip `gpu`-marked tests on machines without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def tiny_llama(**overrides: object) -> LlamaArch:
+    """A 2-layer Llama small enough to train in a test."""
+    fields: dict[str, object] = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+    }
+    fields.update(overrides)
+    return LlamaArch(**fields)
+
+
+def tiny_qwen3(**overrides: object) -> Qwen3Arch:
+    """A 2-layer Qwen3 (QK-norm) small enough to train in a test."""
+    return Qwen3Arch(**{**tiny_llama().model_dump(exclude={"model_type", "rope_theta", "rms_norm_eps"}), **overrides})
+
+
+@pytest.fixture
+def one_thread() -> object:
+    """Pin torch to one thread so results do not depend on the thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

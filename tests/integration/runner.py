@@ -1,0 +1,66 @@
+"""Run the real CLI in subprocesses (plain and under torchrun) with bounded time."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from lmforge.monitor import read_metrics
+
+TINY_RUN = """
+max_steps = {max_steps}
+output_dir = "{output_dir}"
+
+[model.arch]
+model_type = "llama"
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+max_position_embeddings = 256
+
+[data]
+type = "fake"
+seq_len = 64
+batch_tokens = 1024
+micro_batch_tokens = 128
+vocab_size = 200
+mean_doc_len = 24
+
+[optim]
+lr = 3e-3
+
+[schedule]
+warmup = 0.2
+decay = 0.4
+"""
+
+
+def write_config(tmp_path: Path, name: str, max_steps: int = 6) -> Path:
+    """A tiny fake-data run config whose output_dir sits beside it."""
+    path = tmp_path / f"{name}.toml"
+    path.write_text(TINY_RUN.format(max_steps=max_steps, output_dir=(tmp_path / name).as_posix()))
+    return path
+
+
+def env_one_thread() -> dict[str, str]:
+    """Environment with one compute thread per process: results then do not depend on the thread count."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run_cli(args: list[str], nproc: int = 1, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """`lmforge <args>` as a plain process, or under torchrun with `nproc` processes; killed after `timeout`."""
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "lmforge", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "lmforge", *args]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_one_thread(), check=False)
+
+
+def losses(run_dir: Path) -> list[float]:
+    """Per-step loss/mean of a finished run."""
+    return [r["loss/mean"] for r in read_metrics(run_dir / "metrics.jsonl")]

@@ -1,0 +1,77 @@
+"""A non-finite micro-batch on one rank only: both ranks skip it in step, no collective hangs."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.unit.test_micro_batches import _params, _Poison, make_batches, train_config
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, tmp: str) -> None:
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    os.environ.update(env, WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    from lmforge.data.batch import null_micro_batch
+    from lmforge.train.parallel import init_distributed, shutdown_distributed
+    from lmforge.train.trainer import Trainer
+
+    ctx = init_distributed(timeout_minutes=2)
+    config = train_config(Path(tmp), data={"type": "fake", "seq_len": 32, "batch_tokens": 256,
+                                           "micro_batch_tokens": 64, "vocab_size": 100})  # fmt: skip
+    # each rank holds 2 micro-batches of 64 tokens per step; rank 0's second one of step 1 goes NaN
+    batches = [make_batches(2, seed=10 * s + rank) for s in range(3)]
+    poisoned = Trainer(config, ctx, console=False)
+    hook = _Poison(batches[1][1]["input_ids"] if rank == 0 else None)
+    poisoned.model.model.embed_tokens.register_forward_hook(hook)
+    metrics = [poisoned.train_step(b, 0.0) for b in batches]
+    got = _params(poisoned)
+    poisoned.close()
+
+    reference = Trainer(config, ctx, console=False)
+    clean = [list(b) for b in batches]
+    if rank == 0:
+        clean[1][1] = null_micro_batch(clean[1][1])
+    ref_metrics = [reference.train_step(b, 0.0) for b in clean]
+    want = _params(reference)
+    reference.close()
+    same = all(torch.equal(got[n], want[n]) for n in want)
+    result = {"metrics": metrics, "ref": ref_metrics, "same_params": same, "hits": hook.hits}
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
+    shutdown_distributed()
+
+
+def test_nan_on_one_rank_is_skipped_everywhere(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=180)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert [p.exitcode for p in procs] == [0, 0]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert results[0]["hits"] == 1 and results[1]["hits"] == 0
+    for res in results:
+        assert [m["loss/nan_count"] for m in res["metrics"]] == [0.0, 1.0, 0.0]
+        assert [m["loss/mean"] for m in res["metrics"]] == [m["loss/mean"] for m in res["ref"]]
+        assert res["same_params"]
+    assert results[0]["metrics"] == results[1]["metrics"]

@@ -1,0 +1,179 @@
+"""Config composition, CLI overrides, errors that name file and field, and the config.toml round trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from lmforge.config import ConfigError, TrainConfig, dump_toml, load_train_config
+from lmforge.config.loader import compose, parse_value
+
+BASE = """
+max_steps = 10
+output_dir = "runs/x"
+
+[model.arch]
+model_type = "llama"
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 2
+num_attention_heads = 4
+max_position_embeddings = 1024
+
+[data]
+type = "fake"
+seq_len = 128
+batch_tokens = 1024
+micro_batch_tokens = 256
+
+[optim]
+lr = 1e-3
+"""
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    path = tmp_path / "base.toml"
+    path.write_text(BASE)
+    return path
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def error_of(argv: list[str], world_size: int = 1) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_train_config(argv, world_size)
+    return str(info.value)
+
+
+def test_files_merge_left_to_right_and_flags_win(base: Path, tmp_path: Path) -> None:
+    over = write(tmp_path, "over.toml", "[data]\nseq_len = 256\nseed = 7\n[optim]\nlr = 2e-3\n")
+    config, raw = load_train_config(["@", str(base), "@", over, "--optim.lr", "5e-4", "--data.micro-batch-tokens=512"])
+    assert config.data.seq_len == 256  # later file wins
+    assert config.data.seed == 7
+    assert config.data.batch_tokens == 1024  # kept from the first file (deep merge, not replacement)
+    assert config.optim.lr == 5e-4  # the flag beats both files
+    assert config.data.micro_batch_tokens == 512
+    assert raw.source_of("data.seq_len") == over
+    assert raw.source_of("optim.lr") == "the command line"
+    assert raw.source_of("data.batch_tokens") == str(base)
+
+
+def test_bool_flags_and_attached_at(base: Path) -> None:
+    config, _ = load_train_config([f"@{base}", "--model.compile", "--no-data.document-masking"])
+    assert config.model.compile is True
+    assert config.data.document_masking is False
+    config, _ = load_train_config([f"@{base}", "--model.compile", "--no-model.compile"])
+    assert config.model.compile is False
+
+
+def test_parse_value_reads_toml_scalars_and_lists() -> None:
+    assert parse_value("2048") == 2048
+    assert parse_value("3e-4") == 3e-4
+    assert parse_value("true") is True
+    assert parse_value('["a", "b"]') == ["a", "b"]
+    assert parse_value("runs/x") == "runs/x"
+
+
+def test_optimizer_type_defaults_to_adamw(base: Path) -> None:
+    config, _ = load_train_config(["@", str(base)])
+    assert config.optim.type == "adamw"
+
+
+def test_unknown_field_names_file_and_field(base: Path, tmp_path: Path) -> None:
+    bad = write(tmp_path, "bad.toml", "[data]\nseq_lenn = 3\n")
+    msg = error_of(["@", str(base), "@", bad])
+    assert "data.seq_lenn" in msg and bad in msg and "unknown field" in msg and "seq_len" in msg
+
+
+def test_wrong_type_names_file_field_and_value(base: Path) -> None:
+    msg = error_of(["@", str(base), "--data.seq-len", "long"])
+    assert "data.seq_len" in msg and "the command line" in msg and "integer" in msg and "'long'" in msg
+
+
+def test_missing_required_field() -> None:
+    msg = error_of(["--max-steps", "3"])
+    assert "output_dir: required field is missing" in msg
+    assert "[data]" in msg and "[model]" in msg and "[optim]" in msg
+
+
+def test_missing_nested_field(base: Path, tmp_path: Path) -> None:
+    text = BASE.replace("lr = 1e-3\n", "")
+    msg = error_of(["@", write(tmp_path, "nolr.toml", text)])
+    assert "optim.lr: required field is missing" in msg
+
+
+def test_batch_tokens_must_divide_by_micro_batch_times_world(base: Path) -> None:
+    load_train_config(["@", str(base)], world_size=4)  # 1024 = 256 x 4
+    msg = error_of(["@", str(base)], world_size=8)
+    assert "data.batch_tokens" in msg and str(base) in msg and "256 x 8" in msg
+
+
+def test_micro_batch_must_hold_whole_windows(base: Path) -> None:
+    msg = error_of(["@", str(base), "--data.micro-batch-tokens", "200", "--data.batch-tokens", "800"])
+    assert "data.micro_batch_tokens" in msg and "seq_len" in msg
+
+
+def test_seq_len_above_max_position_embeddings(base: Path) -> None:
+    msg = error_of(["@", str(base), "--data.seq-len", "2048", "--data.micro-batch-tokens", "2048",
+                    "--data.batch-tokens", "4096"])  # fmt: skip
+    assert "data.seq_len" in msg and "max_position_embeddings (1024)" in msg
+
+
+def test_bad_union_tag_names_the_tag_field(base: Path) -> None:
+    msg = error_of(["@", str(base), "--model.arch.model-type", "gpt2"])
+    assert "model.arch.model_type (from the command line)" in msg and "'llama'" in msg and "'gpt2'" in msg
+
+
+def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
+    assert "does not exist" in error_of(["@", str(tmp_path / "nope.toml")])
+    bad = write(tmp_path, "broken.toml", "max_steps = = 3")
+    assert bad in error_of(["@", bad])
+
+
+def test_stray_argument_is_rejected(base: Path) -> None:
+    assert "unexpected argument" in error_of(["@", str(base), "oops"])
+
+
+def test_dump_loads_back_unchanged(base: Path, tmp_path: Path) -> None:
+    config, _ = load_train_config(["@", str(base), "--model.arch.num-key-value-heads", "2", "--schedule.decay-shape",
+                                   "sqrt", "--optim.eps", "1e-10"])  # fmt: skip
+    dumped = write(tmp_path, "config.toml", dump_toml(config))
+    again, _ = load_train_config(["@", dumped])
+    assert again == config
+    assert dump_toml(again) == dump_toml(config)
+
+
+def test_dry_run_flag_is_recorded(base: Path) -> None:
+    assert compose(["@", str(base), "--dry-run"]).dry_run
+
+
+def _all_sections(model: type[BaseModel], seen: set[type[BaseModel]]) -> None:
+    from typing import get_args
+
+    seen.add(model)
+    for info in model.model_fields.values():
+        stack = [info.annotation]
+        while stack:
+            ann = stack.pop()
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                if ann not in seen:
+                    _all_sections(ann, seen)
+            else:
+                stack.extend(get_args(ann))
+
+
+def test_every_field_has_a_docstring() -> None:
+    sections: set[type[BaseModel]] = set()
+    _all_sections(TrainConfig, sections)
+    assert len(sections) >= 8
+    undocumented = [
+        f"{s.__name__}.{name}" for s in sections for name, info in s.model_fields.items() if not info.description
+    ]
+    assert not undocumented

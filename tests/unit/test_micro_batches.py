@@ -1,0 +1,161 @@
+"""The step loop's core on one process: accumulation equals the full-batch mean, overfitting, NaN skipping."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmforge.config import TrainConfig
+from lmforge.data.batch import MicroBatch, null_micro_batch
+from lmforge.model import build_model
+from lmforge.model.init import init_weights
+from lmforge.monitor import read_metrics
+from lmforge.train.micro_batches import run_micro_batches
+from lmforge.train.parallel import DistContext, init_distributed
+from lmforge.train.trainer import Trainer, prepare_output_dir
+from tests.conftest import tiny_llama
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def ctx() -> Iterator[DistContext]:
+    # A process group of one, as a plain `lmforge train` starts; shared by this module's trainer tests.
+    yield init_distributed()
+
+
+def train_config(tmp_path: Path, **overrides: object) -> TrainConfig:
+    raw: dict[str, object] = {
+        "max_steps": 4,
+        "output_dir": str(tmp_path / "run"),
+        "model": {"arch": tiny_llama().model_dump()},
+        "data": {"type": "fake", "seq_len": 32, "batch_tokens": 256, "micro_batch_tokens": 64, "vocab_size": 100},
+        "optim": {"lr": 1e-3},
+        "schedule": {"warmup": 0.0, "decay": 0.0},
+    }
+    raw.update(overrides)
+    return TrainConfig.model_validate(raw)
+
+
+def make_batches(n: int, t: int = 32, vocab: int = 100, seed: int = 0) -> list[MicroBatch]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (1, t + 1), generator=g)
+        mask = torch.rand(1, t, generator=g) > 0.3
+        out.append(
+            {
+                "input_ids": ids[:, :-1],
+                "target_ids": ids[:, 1:],
+                "position_ids": torch.arange(t)[None],
+                "loss_mask": mask,
+                "seq_lens": torch.tensor([t], dtype=torch.int32),
+            }
+        )
+    return out
+
+
+def test_accumulated_gradient_is_the_mean_over_all_loss_tokens(ctx: DistContext, one_thread: None) -> None:
+    model = build_model(tiny_llama(), 128, "sdpa", CPU)
+    init_weights(model, 0.02, 0)
+    batches = make_batches(3)
+    stats = run_micro_batches(model, batches, CPU)
+    accumulated = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    # reference: one forward over the concatenated rows, mean over all loss tokens
+    logits = torch.cat([model(b["input_ids"], b["position_ids"], b["seq_lens"]) for b in batches], dim=1)
+    targets = torch.cat([b["target_ids"] for b in batches], dim=1)
+    mask = torch.cat([b["loss_mask"] for b in batches], dim=1)
+    ce = F.cross_entropy(logits[0].float(), targets[0], reduction="none")
+    loss = ce[mask[0]].mean()
+    loss.backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(accumulated[n], p.grad, atol=1e-6, rtol=1e-5)
+    assert abs(float(stats.loss_sum) / float(stats.loss_tokens) - loss.item()) < 1e-5
+    assert int(stats.tokens) == 96 and int(stats.nan_count) == 0
+
+
+def test_tiny_model_overfits_a_fixed_batch(ctx: DistContext, tmp_path: Path) -> None:
+    config = train_config(tmp_path, max_steps=60, optim={"lr": 1e-2, "weight_decay": 0.0})
+    trainer = Trainer(config, ctx, console=False)
+    fixed = make_batches(2, t=64)
+    losses = [trainer.train_step(fixed, 0.0)["loss/mean"] for _ in range(60)]
+    trainer.close()
+    assert losses[-1] < 0.1 * losses[0], (losses[0], losses[-1])
+
+
+class _Poison:
+    """Forward hook on the embedding that turns the output NaN for one chosen micro-batch's tokens."""
+
+    def __init__(self, poisoned: torch.Tensor | None) -> None:
+        self.poisoned = poisoned
+        self.hits = 0
+
+    def __call__(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
+        if self.poisoned is not None and torch.equal(args[0], self.poisoned[0]):
+            self.hits += 1
+            return out * float("nan")
+        return out
+
+
+def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters()}
+
+
+def test_nonfinite_micro_batch_is_skipped_and_counted(ctx: DistContext, tmp_path: Path, one_thread: None) -> None:
+    config = train_config(tmp_path)
+    batches = [make_batches(4, seed=s) for s in range(3)]
+    bad_step, bad_mb = 1, 2
+
+    poisoned = Trainer(config, ctx, console=False)
+    hook = _Poison(batches[bad_step][bad_mb]["input_ids"])
+    poisoned.model.model.embed_tokens.register_forward_hook(hook)
+    metrics = [poisoned.train_step(b, 0.0) for b in batches]
+    got = _params(poisoned)
+    poisoned.close()
+
+    # The reference run never sees the bad micro-batch: an empty loss mask in its place adds nothing.
+    reference = Trainer(config, ctx, console=False)
+    clean = [list(b) for b in batches]
+    clean[bad_step][bad_mb] = null_micro_batch(clean[bad_step][bad_mb])
+    ref_metrics = [reference.train_step(b, 0.0) for b in clean]
+    want = _params(reference)
+    reference.close()
+
+    assert hook.hits == 1
+    assert [m["loss/nan_count"] for m in metrics] == [0.0, 1.0, 0.0]
+    for m, r in zip(metrics, ref_metrics, strict=True):
+        assert m["loss/mean"] == r["loss/mean"]
+        assert m["optim/grad_norm"] == r["optim/grad_norm"]
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_output_dir_refuses_to_mix_runs(tmp_path: Path) -> None:
+    from lmforge.config import ConfigError
+
+    config = train_config(tmp_path)
+    out = prepare_output_dir(config, overwrite=False)
+    assert (out / "config.toml").exists()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ConfigError, match="already holds a run"):
+        prepare_output_dir(config, overwrite=False)
+    prepare_output_dir(config, overwrite=True)
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_trainer_writes_metrics_with_design_names(ctx: DistContext, tmp_path: Path) -> None:
+    config = train_config(tmp_path, max_steps=3)
+    prepare_output_dir(config, overwrite=False)
+    Trainer(config, ctx, console=False).train()
+    records = read_metrics(Path(config.output_dir) / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for key in ("loss/mean", "loss/perplexity", "loss/nan_count", "optim/lr", "optim/grad_norm", "perf/throughput",
+                "perf/peak_memory", "time/step", "time/data/max", "time/data/mean", "progress/num_tokens",
+                "progress/epoch"):  # fmt: skip
+        assert key in records[-1], key
+    assert records[-1]["progress/num_tokens"] == 3 * 256
