@@ -177,3 +177,20 @@ def test_every_field_has_a_docstring() -> None:
         f"{s.__name__}.{name}" for s in sections for name, info in s.model_fields.items() if not info.description
     ]
     assert not undocumented
+
+
+def test_every_field_is_documented() -> None:
+    import re
+
+    docs = Path(__file__).parents[2] / "docs"
+    text = (docs / "config.md").read_text() + (docs / "model.md").read_text()
+    sections: set[type[BaseModel]] = set()
+    _all_sections(TrainConfig, sections)
+    missing = [
+        f"{s.__name__}.{name}"
+        for s in sections
+        for name, info in s.model_fields.items()
+        if not (isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel))
+        and not re.search(rf"`(\w+\.)?{name}`", text)
+    ]
+    assert not missing

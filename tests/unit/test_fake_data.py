@@ -39,12 +39,16 @@ def test_windows_split_into_documents_only_with_masking() -> None:
     assert (masked.tokens == plain.tokens).all()
 
 
-def test_repeat_pattern_repeats_a_motif_inside_each_document() -> None:
-    w = fake_window(cfg(pattern="repeat", mean_doc_len=200), 0)
-    doc = w.tokens[: w.seg_lens[0]]
-    if len(doc) > 40:
-        period = next(p for p in range(4, 33) if (doc[p:] == doc[:-p]).all())
-        assert 4 <= period <= 32
+def test_counting_pattern_has_one_stride_per_document() -> None:
+    c = cfg(pattern="counting", vocab_size=1000)
+    for index in range(5):
+        w = fake_window(c, index)
+        offset = 0
+        for length in w.seg_lens:
+            doc = w.tokens[offset : offset + length]
+            offset += length
+            steps = set(((doc[1:] - doc[:-1]) % c.vocab_size).tolist())
+            assert len(steps) <= 1 and steps <= set(range(1, 9)), steps
 
 
 def test_segments_from_doc_starts() -> None:

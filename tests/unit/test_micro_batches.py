@@ -159,3 +159,56 @@ def test_trainer_writes_metrics_with_design_names(ctx: DistContext, tmp_path: Pa
                 "progress/epoch"):  # fmt: skip
         assert key in records[-1], key
     assert records[-1]["progress/num_tokens"] == 3 * 256
+
+
+def _losses(ctx: DistContext, config: TrainConfig, steps: int = 3) -> list[float]:
+    trainer = Trainer(config, ctx, console=False)
+    batches = [make_batches(2, seed=s) for s in range(steps)]
+    out = [trainer.train_step(b, 0.0)["loss/mean"] for b in batches]
+    trainer.close()
+    return out
+
+
+def test_activation_checkpointing_keeps_the_losses(ctx: DistContext, tmp_path: Path, one_thread: None) -> None:
+    plain = _losses(ctx, train_config(tmp_path))
+    model = {"arch": tiny_llama().model_dump(), "ac": {"mode": "full", "freq": 1}}
+    assert _losses(ctx, train_config(tmp_path, model=model)) == plain
+
+
+def test_bf16_parameters_train_close_to_fp32(ctx: DistContext, tmp_path: Path) -> None:
+    fp32 = _losses(ctx, train_config(tmp_path))
+    bf16 = _losses(ctx, train_config(tmp_path, model={"arch": tiny_llama().model_dump(), "param_dtype": "bfloat16"}))
+    assert fp32 != bf16
+    assert max(abs(a - b) for a, b in zip(fp32, bf16, strict=True)) < 0.05
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_eager(ctx: DistContext, tmp_path: Path, one_thread: None) -> None:
+    eager = _losses(ctx, train_config(tmp_path), steps=2)
+    model = {"arch": tiny_llama().model_dump(), "compile": True}
+    compiled = _losses(ctx, train_config(tmp_path, model=model), steps=2)
+    assert max(abs(a - b) for a, b in zip(eager, compiled, strict=True)) < 1e-4
+
+
+@pytest.mark.gpu
+def test_micro_batch_loop_never_syncs_with_the_host() -> None:
+    device = torch.device("cuda")
+    model = build_model(tiny_llama(), 128, "auto", device)
+    init_weights(model, 0.02, 0)
+    model.to(device)
+    batches = [{k: v.pin_memory() for k, v in mb.items()} for mb in make_batches(3)]
+    run_micro_batches(model, batches, device)  # warm up kernels and caches outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run_micro_batches(model, batches, device)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+def test_cuda_run_in_bf16(ctx: DistContext, tmp_path: Path) -> None:
+    if ctx.device.type != "cuda":
+        pytest.skip("the process group of this module was started on the CPU")
+    losses = _losses(ctx, train_config(tmp_path), steps=3)
+    assert all(0 < x < 10 for x in losses)

@@ -40,9 +40,10 @@ class FakeDataConfig(BatchFields):
     mean_doc_len: float = Field(default=256.0, gt=1)
     """Mean document length in tokens (lengths are geometric)."""
 
-    pattern: Literal["uniform", "repeat"] = "uniform"
-    """`uniform`: independent tokens (the loss cannot fall below ln(vocab_size)); `repeat`: each document repeats
-    a random motif of 4-32 tokens, which a model learns to copy in context, so the loss falls well below that."""
+    pattern: Literal["uniform", "counting"] = "uniform"
+    """`uniform`: independent tokens (the loss cannot fall below ln(vocab_size)); `counting`: each document counts
+    up from a random token with a random stride of 1-8 (mod vocab_size), which a model learns to continue from the
+    previous tokens of the same document, so the loss falls well below ln(vocab_size)."""
 
 
 DataConfig = Annotated[FakeDataConfig, Field(discriminator="type")]

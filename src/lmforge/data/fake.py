@@ -26,13 +26,13 @@ def fake_window(cfg: FakeDataConfig, index: int) -> Window:
         tokens = rng.integers(0, cfg.vocab_size, size=n, dtype=np.int64)
     else:
         docs = segments_from_doc_starts(starts, n)
-        tokens = np.concatenate([_repeated_motif(rng, cfg.vocab_size, length) for length in docs])
+        tokens = np.concatenate([_counting(rng, cfg.vocab_size, length) for length in docs])
     return Window(tokens, seg_lens if cfg.document_masking else [cfg.seq_len])
 
 
-def _repeated_motif(rng: np.random.Generator, vocab_size: int, length: int) -> np.ndarray:
-    motif = rng.integers(0, vocab_size, size=int(rng.integers(4, 33)), dtype=np.int64)
-    return np.resize(motif, length)
+def _counting(rng: np.random.Generator, vocab_size: int, length: int) -> np.ndarray:
+    start, stride = rng.integers(0, vocab_size), rng.integers(1, 9)
+    return (start + stride * np.arange(length, dtype=np.int64)) % vocab_size
 
 
 class FakeData:

@@ -1,7 +1,7 @@
 """Forward and backward over one optimizer step's micro-batches.
 
 The loss of a step is the mean over every loss token of the global batch. Its denominator, the global count of
-loss tokens, is known before the first backward (counted on the host from the CPU micro-batches, then one
+loss tokens, is known before the first backward (summed on the device over this rank's micro-batches, then one
 all-reduce), so each micro-batch backpropagates `sum of its token losses / global count` and the accumulated
 gradient is exactly that of the mean. Nothing in the loop reads a device value on the host: statistics stay on
 the device until the step's single reduction.
@@ -51,10 +51,9 @@ def token_loss_sum(model: nn.Module, mb: MicroBatch) -> Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def global_loss_tokens(micro_batches: Sequence[MicroBatch], device: torch.device) -> Tensor:
-    """Loss tokens of the whole step over all ranks, as a device scalar (one all-reduce)."""
-    local = sum(int(mb["loss_mask"].sum()) for mb in micro_batches)
-    count = torch.tensor(float(local), device=device)
+def global_loss_tokens(micro_batches: Sequence[MicroBatch]) -> Tensor:
+    """Loss tokens of the whole step over all ranks, as a device scalar (one all-reduce, no host read)."""
+    count = torch.stack([mb["loss_mask"].sum() for mb in micro_batches]).sum().float()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(count)
     return count.clamp_min(1.0)
@@ -75,13 +74,13 @@ def run_micro_batches(
     finite is counted and excluded from the loss statistics; its gradient is removed by `rerun_without_nonfinite`.
     """
     n = len(micro_batches)
-    denom = global_loss_tokens(micro_batches, device)
+    on_device = [to_device(mb, device) for mb in micro_batches]  # token tensors are small; copies overlap
+    denom = global_loss_tokens(on_device)
     zero = torch.zeros((), device=device)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     loss_tokens, tokens, nan_count = zero.clone(), zero.clone(), zero.clone()
     finite_flags = torch.zeros(n, dtype=torch.bool, device=device)
-    for i, cpu_mb in enumerate(micro_batches):
-        mb = to_device(cpu_mb, device)
+    for i, mb in enumerate(on_device):
         if defer_grad_sync:
             _set_sync(model, i == n - 1)
         ce_sum = token_loss_sum(model, mb)
