@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from rich.console import Console
@@ -15,7 +16,9 @@ processes: torchrun --nproc-per-node 8 -m lmforge train @ run.toml"""
 
 
 def _err(message: str) -> None:
-    Console(stderr=True).print(f"[bold red]lmforge:[/] {message}", highlight=False, soft_wrap=True)
+    # Under torchrun every rank sees the same config error; one copy is enough.
+    if os.environ.get("RANK", "0") == "0":
+        Console(stderr=True).print(f"[bold red]lmforge:[/] {message}", highlight=False, soft_wrap=True)
 
 
 def train_command(argv: list[str]) -> int:
@@ -37,17 +40,24 @@ def train_command(argv: list[str]) -> int:
         print(dump_toml(config), end="")
         return 0
 
+    import torch.distributed as dist
+
     from lmforge.train.parallel import init_distributed, shutdown_distributed
     from lmforge.train.trainer import Trainer, prepare_output_dir
 
     ctx = init_distributed()
     try:
+        # Rank 0 owns the run directory; every rank learns whether it could be prepared, so none waits alone.
+        problem = [None]
         if ctx.is_main:
             try:
                 prepare_output_dir(config, overwrite)
             except ConfigError as e:
-                _err(str(e))
-                return 2
+                problem = [str(e)]
+        dist.broadcast_object_list(problem, src=0)
+        if problem[0] is not None:
+            _err(problem[0])
+            return 2
         Trainer(config, ctx).train()
     finally:
         shutdown_distributed()

@@ -103,7 +103,8 @@ class _Poison:
 
 
 def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters()}
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in trainer.model.named_parameters()}  # fmt: skip
 
 
 def test_nonfinite_micro_batch_is_skipped_and_counted(ctx: DistContext, tmp_path: Path, one_thread: None) -> None:
@@ -212,3 +213,21 @@ def test_cuda_run_in_bf16(ctx: DistContext, tmp_path: Path) -> None:
         pytest.skip("the process group of this module was started on the CPU")
     losses = _losses(ctx, train_config(tmp_path), steps=3)
     assert all(0 < x < 10 for x in losses)
+
+
+def test_fsdp_over_one_rank_equals_the_unwrapped_model(ctx: DistContext, one_thread: None) -> None:
+    # Why a single fp32 process runs unwrapped: FSDP over one rank gives bit-identical gradients.
+    from torch.distributed.fsdp import fully_shard
+
+    plain, sharded = (build_model(tiny_llama(), 128, "sdpa", CPU) for _ in range(2))
+    for m in (plain, sharded):
+        init_weights(m, 0.02, 0)
+    for block in sharded.blocks:
+        fully_shard(block, mesh=ctx.mesh)
+    fully_shard(sharded, mesh=ctx.mesh)
+    batches = make_batches(3)
+    a = run_micro_batches(plain, batches, CPU)
+    b = run_micro_batches(sharded, batches, CPU)
+    assert torch.equal(a.loss_sum, b.loss_sum)
+    for (name, p), q in zip(plain.named_parameters(), sharded.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad.full_tensor()), name

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from lmforge.config.loader import ConfigError, dump_toml
 from lmforge.config.train import TrainConfig
@@ -67,11 +66,6 @@ class Trainer:
         init_weights(model, config.model.init.std, config.model.init.seed)
         self.blocks = model.blocks
         self.model = parallelize(model, self.blocks, config.model, ctx)
-        # Each micro-batch's loss is already normalized by the global token count: reduce by sum, not mean.
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
         self.optimizer = build_optimizer(self.model, config.optim, ctx.device)
         self.data = Prefetcher(
             build_step_data(config.data, ctx.rank, ctx.world_size), pin_memory=ctx.device.type == "cuda"

@@ -1,0 +1,576 @@
+"""Overhead of lmforge's training loop against a minimal hand-written PyTorch loop, on the CPU.
+
+Both sides train the same Llama (same architecture, same per-parameter init seeds) on the same fake micro-batches
+(the same `FakeData` windows, split into the same micro-batches), with the same AdamW hyper-parameters and the same
+gradient clipping, in fp32 with the same number of threads:
+
+- `lmforge`: a `Trainer` built from a `TrainConfig` in a process group of one (FSDP2 over one rank, the parameter
+  role groups, the step statistics, the background data prefetcher). Each timed step is
+  `trainer.data.next_step()` followed by `trainer.train_step(...)`: exactly what `Trainer.train` does per step,
+  minus the metrics file and console (I/O, not loop overhead).
+- `plain`: no process group, no FSDP. Each timed step is `FakeData.next_step()` inline, then forward ->
+  `F.cross_entropy(reduction="sum") / tokens` -> backward per micro-batch, `clip_grad_norm_`, `AdamW.step`
+  (foreach), `zero_grad`, and one host read of the step's loss for the log line a researcher would print (lmforge
+  also reads its step statistics once per step).
+
+So both timed regions hold the same work: building the step's micro-batches plus one optimizer step.
+
+Each side runs in its own spawned process, so its peak memory is its own: the peak resident set (`VmHWM`) is reset
+after the imports and read after the last step, and the figure reported is the growth over that post-import
+baseline (the imports are identical on both sides). Each side runs `--repeats` times in alternating order and the
+best run counts. glibc's malloc keeps freed blocks in the heap depending on the allocation history, so that figure
+can differ by tens of MiB between two programs holding the same tensors; one more short run per side with
+`MALLOC_MMAP_THRESHOLD_` set (freed tensors go straight back to the OS) gives the live peak as well
+(`--no-live-memory` skips it). Targets: lmforge >= 0.95x plain tokens/s and <= 1.1x plain peak memory.
+
+torch's thread pool is sized to the machine, so any other busy process stalls its barriers and can slow a step
+several times over. Before each run the script waits (`--quiet-wait` seconds at most) for the CPUs to go idle, and
+it reports the cores other processes used during each run's timed steps; a best run that shared the CPUs is
+flagged as unreliable.
+
+    .venv/bin/python benchmarks/overhead.py [--steps N] [--warmup N] [--repeats N] [--threads N] [--quiet-wait S]
+                                            [--no-live-memory] [--json PATH]
+    .venv/bin/python benchmarks/overhead.py --smoke      # tiny model, 2 steps (~20 s)
+
+The script always exits 0 when both sides ran (it is a benchmark, not a test); PASS/MISS marks each target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import resource
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+from lmforge.config import FakeDataConfig, TrainConfig
+from lmforge.config.checks import check_config
+from lmforge.data.batch import MicroBatch
+from lmforge.data.fake import FakeData
+from lmforge.model import LlamaArch, build_model
+from lmforge.model.init import init_weights
+from lmforge.train.parallel import init_distributed, shutdown_distributed
+from lmforge.train.trainer import Trainer, padded_vocab_size, prepare_output_dir
+
+THROUGHPUT_TARGET = 0.95
+"""lmforge tokens/s must be at least this fraction of the plain loop's."""
+MEMORY_TARGET = 1.10
+"""lmforge peak memory must be at most this multiple of the plain loop's."""
+SIDES = ("lmforge", "plain")
+FOREIGN_LIMIT = 0.1
+"""Cores of foreign load above which a run's throughput is flagged as unreliable."""
+MMAP_ENV, MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_", "131072"
+"""glibc: serve every block of 128 KiB or more with its own mmap, unmapped on free (this also turns off the dynamic
+threshold), so the resident set tracks the tensors alive instead of what the allocator kept."""
+MEMORY_PASS_STEPS = (1, 2)
+"""(warmup, steps) of the live-memory runs: the peak is reached in the second step; fresh mmaps make them slow."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything both sides share: model, data geometry, optimizer and the measurement protocol."""
+
+    hidden_size: int = 256
+    intermediate_size: int = 688
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 4
+    seq_len: int = 512
+    batch_tokens: int = 4096
+    micro_batch_tokens: int = 1024
+    vocab_size: int = 512
+    mean_doc_len: float = 256.0
+    data_seed: int = 0
+    init_std: float = 0.02
+    init_seed: int = 0
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    max_norm: float = 1.0
+    warmup: int = 2
+    steps: int = 10
+    threads: int = 2
+
+    def arch(self) -> LlamaArch:
+        """The Llama both sides build."""
+        return LlamaArch(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            max_position_embeddings=self.seq_len,
+        )
+
+    def data(self) -> FakeDataConfig:
+        """The fake-data config both sides draw their windows from."""
+        return FakeDataConfig(
+            seq_len=self.seq_len,
+            batch_tokens=self.batch_tokens,
+            micro_batch_tokens=self.micro_batch_tokens,
+            vocab_size=self.vocab_size,
+            mean_doc_len=self.mean_doc_len,
+            pattern="uniform",
+            document_masking=True,
+            seed=self.data_seed,
+        )
+
+    def train_config(self, output_dir: str) -> TrainConfig:
+        """The lmforge config of the same run: constant lr (no warmup/decay), as the plain loop has no schedule."""
+        return TrainConfig.model_validate(
+            {
+                "max_steps": self.warmup + self.steps,
+                "output_dir": output_dir,
+                "model": {
+                    "arch": self.arch().model_dump(),
+                    "init": {"std": self.init_std, "seed": self.init_seed},
+                    "attn": "sdpa",
+                    "param_dtype": "float32",
+                },
+                "data": self.data().model_dump(),
+                "optim": {
+                    "type": "adamw",
+                    "lr": self.lr,
+                    "weight_decay": self.weight_decay,
+                    "beta1": self.beta1,
+                    "beta2": self.beta2,
+                    "eps": self.eps,
+                    "max_norm": self.max_norm,
+                },
+                "schedule": {"warmup": 0.0, "decay": 0.0},
+            }
+        )
+
+
+SMOKE = Settings(
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    seq_len=128,
+    batch_tokens=1024,
+    micro_batch_tokens=256,
+    warmup=1,
+    steps=2,
+)
+"""A model and batch small enough that a test can run the whole script in seconds."""
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+def _status_kib(field: str) -> int | None:
+    """A `/proc/self/status` figure in KiB (`VmHWM`, `VmRSS`), or None off Linux."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak resident set to its current one; False where the kernel does not allow it.
+
+    A spawned child inherits in `ru_maxrss` the high-water mark of the process it was forked from, so the peak is
+    reset after the imports and each side's figure is its own.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def current_rss_mib() -> float:
+    """Resident set now, in MiB (0 where unknown)."""
+    kib = _status_kib("VmRSS")
+    return kib / 1024 if kib is not None else 0.0
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set since the last reset (or since the start), in MiB."""
+    kib = _status_kib("VmHWM")
+    if kib is None:
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        kib //= 1024 if sys.platform == "darwin" else 1  # bytes on macOS
+    return kib / 1024
+
+
+# ---------------------------------------------------------------------------------------------- the two sides
+
+
+def cpu_busy_s() -> float:
+    """Seconds of CPU time spent by the whole machine (all processes, all cores) since boot; 0 off Linux."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process (all its threads: torch's pool and lmforge's data prefetcher)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+@dataclass
+class Timing:
+    """What the timed steps of one side measured."""
+
+    losses: list[float]
+    """Loss of every step, warmup included."""
+    seconds: list[float]
+    """Wall time of each timed step."""
+    foreign_cores: float
+    """Mean number of cores other processes kept busy during the timed steps: with torch's thread pool sized to
+    the machine, any foreign load stalls its barriers and can slow a step many times over, so a run with foreign
+    load is not a measurement of lmforge."""
+
+
+def _timed_steps(settings: Settings, step: Callable[[], float]) -> Timing:
+    """Run warmup + timed steps of `step() -> loss`."""
+    losses, seconds = [], []
+    busy0 = own0 = 0.0
+    for i in range(settings.warmup + settings.steps):
+        if i == settings.warmup:
+            busy0, own0 = cpu_busy_s(), own_cpu_s()
+        t0 = time.perf_counter()
+        losses.append(step())
+        if i >= settings.warmup:
+            seconds.append(time.perf_counter() - t0)
+    foreign = (cpu_busy_s() - busy0 - (own_cpu_s() - own0)) / sum(seconds)
+    return Timing(losses, seconds, max(foreign, 0.0))
+
+
+def run_lmforge(settings: Settings) -> Timing:
+    """lmforge's loop: a Trainer in a process group of one, stepped with its own data stream and `train_step`."""
+    ctx = init_distributed()
+    try:
+        with tempfile.TemporaryDirectory(prefix="lmforge-overhead-") as tmp:
+            config = settings.train_config(str(Path(tmp) / "run"))
+            check_config(config, ctx.world_size)
+            prepare_output_dir(config, overwrite=False)
+            trainer = Trainer(config, ctx, console=False)
+
+            def step() -> float:
+                # The same two calls as Trainer.train per step; the metrics file/console are left out (I/O).
+                t0 = time.perf_counter()
+                micro_batches = trainer.data.next_step()
+                return trainer.train_step(micro_batches, time.perf_counter() - t0)["loss/mean"]
+
+            try:
+                return _timed_steps(settings, step)
+            finally:
+                trainer.close()
+    finally:
+        shutdown_distributed()
+
+
+def run_plain(settings: Settings) -> Timing:
+    """The loop a researcher writes by hand: no process group, no FSDP, no statistics beyond the loss."""
+    model = build_model(settings.arch(), padded_vocab_size(settings.vocab_size), "sdpa", torch.device("cpu"))
+    init_weights(model, settings.init_std, settings.init_seed)
+    # nanoGPT-style groups: matrices and embeddings decay, norm scales do not (lmforge's roles decide the same).
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=settings.lr,
+        betas=(settings.beta1, settings.beta2),
+        eps=settings.eps,
+        foreach=True,
+    )
+    data = FakeData(settings.data(), rank=0, world_size=1)
+
+    def forward_backward(mb: MicroBatch, n_tokens: int) -> torch.Tensor:
+        logits = model(mb["input_ids"], mb["position_ids"], mb["seq_lens"])
+        loss = F.cross_entropy(logits.flatten(0, 1), mb["target_ids"].flatten(), reduction="sum")
+        (loss / n_tokens).backward()
+        return loss.detach()
+
+    def step() -> float:
+        micro_batches = data.next_step()
+        n_tokens = sum(mb["input_ids"].numel() for mb in micro_batches)
+        loss_sum = sum(forward_backward(mb, n_tokens) for mb in micro_batches)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_norm, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss_sum) / n_tokens
+
+    return _timed_steps(settings, step)
+
+
+def child_main(side: str, settings: Settings, conn: Connection) -> None:
+    """Entry point of a spawned child: run one side and send back its figures (or the traceback)."""
+    try:
+        torch.set_num_threads(settings.threads)
+        baseline = current_rss_mib()
+        reset = reset_peak_rss()
+        t0 = time.perf_counter()
+        timing = (run_lmforge if side == "lmforge" else run_plain)(settings)
+        peak = peak_rss_mib()
+        seconds = timing.seconds
+        conn.send(
+            {
+                "side": side,
+                "tokens_per_s": settings.steps * settings.batch_tokens / sum(seconds),
+                "step_s_median": sorted(seconds)[len(seconds) // 2],
+                "peak_rss_mib": peak,
+                "baseline_rss_mib": baseline,
+                # Without a reset, the peak includes the imports; the growth is then only an upper bound.
+                "peak_mib": peak - baseline,
+                "peak_reset": reset,
+                "losses": timing.losses,
+                "foreign_cores": timing.foreign_cores,
+                "wall_s": time.perf_counter() - t0,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    except BaseException:
+        conn.send({"side": side, "error": traceback.format_exc()})
+    finally:
+        conn.close()
+
+
+def wait_until_quiet(limit_s: float, threshold: float = 0.25) -> float:
+    """Wait up to `limit_s` for other processes to leave the CPUs idle; returns the busy cores last sampled.
+
+    This process is idle while it waits, so all the CPU time the machine spends is foreign load.
+    """
+    deadline = time.monotonic() + limit_s
+    while True:
+        b0, t0 = cpu_busy_s(), time.monotonic()
+        time.sleep(1.0)
+        busy = (cpu_busy_s() - b0) / (time.monotonic() - t0)
+        if busy < threshold or time.monotonic() >= deadline:
+            return busy
+
+
+def run_side(side: str, settings: Settings, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run one side in a fresh spawned process (with `env` added to its environment) and return its figures."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=child_main, args=(side, settings, child), name=f"overhead-{side}")
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})  # the spawned interpreter inherits the environment at start
+    try:
+        proc.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    child.close()
+    try:
+        result = parent.recv()
+    except EOFError:
+        result = {"side": side, "error": "child exited without a result"}
+    proc.join()
+    if "error" in result:
+        raise RuntimeError(f"{side} side failed (exit code {proc.exitcode}):\n{result['error']}")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def summarize(runs: list[dict[str, Any]], memory_runs: list[dict[str, Any]], settings: Settings) -> dict[str, Any]:
+    """Best run per side (highest tokens/s, lowest peaks), the lmforge/plain ratios and the target verdicts."""
+    best: dict[str, dict[str, float]] = {}
+    for side in SIDES:
+        mine = [r for r in runs if r["side"] == side]
+        fastest = max(mine, key=lambda r: r["tokens_per_s"])
+        live = [r["peak_mib"] for r in memory_runs if r["side"] == side]
+        best[side] = {
+            "tokens_per_s": fastest["tokens_per_s"],
+            "foreign_cores": fastest["foreign_cores"],
+            "peak_mib": min(r["peak_mib"] for r in mine),
+            "peak_rss_mib": min(r["peak_rss_mib"] for r in mine),
+            "live_peak_mib": min(live) if live else math.nan,
+        }
+    ratios = {
+        "throughput": best["lmforge"]["tokens_per_s"] / best["plain"]["tokens_per_s"],
+        "memory": best["lmforge"]["peak_mib"] / best["plain"]["peak_mib"],
+        "live_memory": best["lmforge"]["live_peak_mib"] / best["plain"]["live_peak_mib"],
+    }
+    # Same init and data: the first step's loss (before any update) must agree; later ones to float tolerance.
+    first = [next(r for r in runs if r["side"] == s)["losses"] for s in SIDES]
+    loss_diff = max(abs(a - b) for a, b in zip(*first, strict=True))
+    return {
+        "settings": asdict(settings),
+        "runs": runs,
+        "memory_runs": memory_runs,
+        "best": best,
+        "throughput_ratio": ratios["throughput"],
+        "memory_ratio": ratios["memory"],
+        "live_memory_ratio": ratios["live_memory"],
+        "throughput_pass": ratios["throughput"] >= THROUGHPUT_TARGET,
+        "memory_pass": ratios["memory"] <= MEMORY_TARGET,
+        "live_memory_pass": ratios["live_memory"] <= MEMORY_TARGET if memory_runs else None,
+        "first_loss": {s: first[i][0] for i, s in enumerate(SIDES)},
+        "max_loss_diff": loss_diff,
+    }
+
+
+def print_report(summary: dict[str, Any], console: Console) -> None:
+    """The table: each side's best tokens/s and peak memory, then the ratios against the targets."""
+    s = Settings(**summary["settings"])
+    best = summary["best"]
+    live = summary["memory_runs"] != []
+    table = Table(
+        title=(
+            f"lmforge vs plain PyTorch: Llama d{s.hidden_size} x{s.num_hidden_layers}, seq {s.seq_len}, "
+            f"{s.batch_tokens} tokens/step in {s.batch_tokens // s.micro_batch_tokens} micro-batches, fp32, "
+            f"{s.threads} threads, {s.steps} timed steps after {s.warmup}"
+        )
+    )
+    table.add_column("side")
+    table.add_column("tokens/s", justify="right")
+    table.add_column("peak memory MiB\n(RSS growth)", justify="right")
+    if live:
+        table.add_column("live peak MiB\n(RSS, freed returned)", justify="right")
+    table.add_column("process peak\nRSS MiB", justify="right")
+    for side in SIDES:
+        b = best[side]
+        cells = [f"{b['tokens_per_s']:,.0f}", f"{b['peak_mib']:,.1f}"]
+        cells += [f"{b['live_peak_mib']:,.1f}"] if live else []
+        table.add_row(side, *cells, f"{b['peak_rss_mib']:,.1f}")
+
+    def verdict(ok: bool) -> str:
+        return "[green]PASS[/]" if ok else "[red]MISS[/]"
+
+    table.add_section()
+    cells = [
+        f"{summary['throughput_ratio']:.3f}x {verdict(summary['throughput_pass'])}",
+        f"{summary['memory_ratio']:.3f}x {verdict(summary['memory_pass'])}",
+    ]
+    cells += [f"{summary['live_memory_ratio']:.3f}x {verdict(summary['live_memory_pass'])}"] if live else []
+    table.add_row("lmforge / plain", *cells, "")
+    targets = [f">= {THROUGHPUT_TARGET:.2f}x", f"<= {MEMORY_TARGET:.2f}x"] + (
+        [f"<= {MEMORY_TARGET:.2f}x"] if live else []
+    )
+    table.add_row("target", *targets, "")
+    console.print(table)
+    console.print(
+        "peak memory: growth of the peak resident set over the post-import baseline, each side in its own process, "
+        "with glibc's default malloc (which keeps freed blocks depending on the allocation history)."
+    )
+    if live:
+        console.print(
+            f"live peak: the same, in one more run per side ({MEMORY_PASS_STEPS[0]} warmup + {MEMORY_PASS_STEPS[1]} "
+            f"steps) with {MMAP_ENV}={MMAP_THRESHOLD}, so "
+            "freed tensors go back to the OS and the peak follows the memory actually in use."
+        )
+    console.print(
+        f"same model and data: first-step loss lmforge {summary['first_loss']['lmforge']:.6f}, "
+        f"plain {summary['first_loss']['plain']:.6f}; largest loss difference over all steps "
+        f"{summary['max_loss_diff']:.2e}"
+    )
+    contended = [side for side in SIDES if best[side]["foreign_cores"] > FOREIGN_LIMIT]
+    if contended:
+        console.print(
+            f"[yellow]other processes used the CPUs during the best {' and '.join(contended)} run "
+            f"(> {FOREIGN_LIMIT} cores): the throughput figures are not reliable; rerun on an idle machine[/]"
+        )
+    if not all(r.get("peak_reset", True) for r in summary["runs"] + summary["memory_runs"]):
+        console.print("[yellow]could not reset the peak RSS: memory figures include the imports[/]")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line flags; unset step counts take the defaults of the chosen size."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=None, help="timed optimizer steps per run (default 10; smoke 2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; smoke 1)")
+    p.add_argument("--repeats", type=int, default=None, help="runs per side, alternating order (default 2; smoke 1)")
+    p.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="torch threads on both sides (default: all cores)"
+    )
+    p.add_argument("--smoke", action="store_true", help="tiny model and 2 steps: checks the script runs (~20 s)")
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=None,
+        help="before each run, wait up to this many seconds for other processes to leave the CPUs\n"
+        "(default 60; smoke 0: don't wait)",
+    )
+    p.add_argument(
+        "--no-live-memory",
+        action="store_true",
+        help=f"skip the extra runs (one per side) that measure the live peak with {MMAP_ENV}",
+    )
+    p.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both sides, print the table, optionally write the JSON; 0 unless a side failed to run."""
+    args = parse_args(argv)
+    base = SMOKE if args.smoke else Settings()
+    settings = replace(
+        base,
+        steps=args.steps if args.steps is not None else base.steps,
+        warmup=args.warmup if args.warmup is not None else base.warmup,
+        threads=args.threads,
+    )
+    repeats = args.repeats if args.repeats is not None else (1 if args.smoke else 2)
+    quiet_wait = args.quiet_wait if args.quiet_wait is not None else (0.0 if args.smoke else 60.0)
+    if settings.steps < 1 or settings.warmup < 0 or repeats < 1 or settings.threads < 1:
+        print("overhead.py: --steps, --repeats and --threads must be >= 1 and --warmup >= 0", file=sys.stderr)
+        return 2
+    console = Console(width=None if sys.stdout.isatty() else 120)  # no wrapping in logs and pipes
+    runs: list[dict[str, Any]] = []
+    for r in range(repeats):
+        # Alternate which side goes first, so drift in the machine's speed does not favour one side.
+        for side in SIDES if r % 2 == 0 else SIDES[::-1]:
+            if quiet_wait > 0:
+                wait_until_quiet(quiet_wait)
+            result = run_side(side, settings)
+            console.print(
+                f"run {r + 1}/{repeats} {side:>7}: {result['tokens_per_s']:,.0f} tokens/s, "
+                f"peak +{result['peak_mib']:,.1f} MiB, other processes {result['foreign_cores']:.2f} cores "
+                f"({result['wall_s']:.1f} s)",
+                highlight=False,
+            )
+            runs.append(result)
+    memory_runs: list[dict[str, Any]] = []
+    if not args.no_live_memory:
+        warmup, steps = MEMORY_PASS_STEPS
+        for side in SIDES:
+            result = run_side(side, replace(settings, warmup=warmup, steps=steps), {MMAP_ENV: MMAP_THRESHOLD})
+            console.print(f"live-memory run {side:>7}: peak +{result['peak_mib']:,.1f} MiB", highlight=False)
+            memory_runs.append(result)
+    summary = summarize(runs, memory_runs, settings)
+    print_report(summary, console)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n", encoding="utf-8")
+    if not math.isfinite(summary["max_loss_diff"]):
+        console.print("[yellow]a loss was not finite[/]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
