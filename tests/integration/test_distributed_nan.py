@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.unit.test_micro_batches import _params, _Poison, make_batches, train_config
+from tests.unit.test_micro_batches import make_batches, poisoned_vs_clean, train_config
 
 pytestmark = pytest.mark.slow
 
@@ -26,31 +26,14 @@ def _worker(rank: int, port: int, tmp: str) -> None:
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank)}
     os.environ.update(env, WORLD_SIZE="2")
     torch.set_num_threads(1)
-    from lmforge.data.batch import null_micro_batch
     from lmforge.train.parallel import init_distributed, shutdown_distributed
-    from lmforge.train.trainer import Trainer
 
     ctx = init_distributed(timeout_minutes=2)
     config = train_config(Path(tmp), data={"type": "fake", "seq_len": 32, "batch_tokens": 256,
                                            "micro_batch_tokens": 64, "vocab_size": 100})  # fmt: skip
     # each rank holds 2 micro-batches of 64 tokens per step; rank 0's second one of step 1 goes NaN
     batches = [make_batches(2, seed=10 * s + rank) for s in range(3)]
-    poisoned = Trainer(config, ctx, console=False)
-    hook = _Poison(batches[1][1]["input_ids"] if rank == 0 else None)
-    poisoned.model.model.embed_tokens.register_forward_hook(hook)
-    metrics = [poisoned.train_step(b, 0.0) for b in batches]
-    got = _params(poisoned)
-    poisoned.close()
-
-    reference = Trainer(config, ctx, console=False)
-    clean = [list(b) for b in batches]
-    if rank == 0:
-        clean[1][1] = null_micro_batch(clean[1][1])
-    ref_metrics = [reference.train_step(b, 0.0) for b in clean]
-    want = _params(reference)
-    reference.close()
-    same = all(torch.equal(got[n], want[n]) for n in want)
-    result = {"metrics": metrics, "ref": ref_metrics, "same_params": same, "hits": hook.hits}
+    result = poisoned_vs_clean(config, ctx, batches, bad=(1, 1) if rank == 0 else None)
     Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
     shutdown_distributed()
 

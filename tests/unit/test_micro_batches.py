@@ -107,33 +107,39 @@ def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
             for n, p in trainer.model.named_parameters()}  # fmt: skip
 
 
-def test_nonfinite_micro_batch_is_skipped_and_counted(ctx: DistContext, tmp_path: Path, one_thread: None) -> None:
-    config = train_config(tmp_path)
-    batches = [make_batches(4, seed=s) for s in range(3)]
-    bad_step, bad_mb = 1, 2
-
+def poisoned_vs_clean(
+    config: TrainConfig, ctx: DistContext, batches: list[list[MicroBatch]], bad: tuple[int, int] | None
+) -> dict[str, object]:
+    """Train on `batches` with micro-batch `bad` = (step, index) turned NaN, and again with it replaced by an empty
+    loss mask (which adds nothing); returns both runs' metrics, the poison hits and whether the weights agree."""
     poisoned = Trainer(config, ctx, console=False)
-    hook = _Poison(batches[bad_step][bad_mb]["input_ids"])
+    hook = _Poison(batches[bad[0]][bad[1]]["input_ids"] if bad else None)
     poisoned.model.model.embed_tokens.register_forward_hook(hook)
     metrics = [poisoned.train_step(b, 0.0) for b in batches]
     got = _params(poisoned)
     poisoned.close()
 
-    # The reference run never sees the bad micro-batch: an empty loss mask in its place adds nothing.
     reference = Trainer(config, ctx, console=False)
     clean = [list(b) for b in batches]
-    clean[bad_step][bad_mb] = null_micro_batch(clean[bad_step][bad_mb])
+    if bad:
+        clean[bad[0]][bad[1]] = null_micro_batch(clean[bad[0]][bad[1]])
     ref_metrics = [reference.train_step(b, 0.0) for b in clean]
     want = _params(reference)
     reference.close()
+    same = all(torch.equal(got[n], want[n]) for n in want)
+    return {"metrics": metrics, "ref": ref_metrics, "same_params": same, "hits": hook.hits}
 
-    assert hook.hits == 1
+
+def test_nonfinite_micro_batch_is_skipped_and_counted(ctx: DistContext, tmp_path: Path, one_thread: None) -> None:
+    batches = [make_batches(4, seed=s) for s in range(3)]
+    result = poisoned_vs_clean(train_config(tmp_path), ctx, batches, bad=(1, 2))
+    metrics, ref_metrics = result["metrics"], result["ref"]
+    assert result["hits"] == 1
     assert [m["loss/nan_count"] for m in metrics] == [0.0, 1.0, 0.0]
     for m, r in zip(metrics, ref_metrics, strict=True):
         assert m["loss/mean"] == r["loss/mean"]
         assert m["optim/grad_norm"] == r["optim/grad_norm"]
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
+    assert result["same_params"]
 
 
 def test_output_dir_refuses_to_mix_runs(tmp_path: Path) -> None:

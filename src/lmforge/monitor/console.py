@@ -30,7 +30,7 @@ class ConsoleMonitor:
         self.max_steps = max_steps
         self.progress = Progress(
             TextColumn("[bold]train"),
-            BarColumn(),
+            BarColumn(bar_width=24),
             MofNCompleteColumn(),
             TextColumn("{task.fields[status]}"),
             TimeElapsedColumn(),
