@@ -42,6 +42,7 @@ def train_command(argv: list[str]) -> int:
 
     import torch.distributed as dist
 
+    from lmforge.data import DataError
     from lmforge.train.parallel import init_distributed, shutdown_distributed
     from lmforge.train.trainer import Trainer, prepare_output_dir
 
@@ -58,7 +59,12 @@ def train_command(argv: list[str]) -> int:
         if problem[0] is not None:
             _err(problem[0])
             return 2
-        Trainer(config, ctx).train()
+        try:
+            trainer = Trainer(config, ctx)
+        except (ConfigError, *DataError) as e:
+            _err(str(e))
+            return 2
+        trainer.train()
     finally:
         shutdown_distributed()
     return 0

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 from lmforge.config import FakeDataConfig
 from lmforge.data import build_step_data
 from lmforge.data.prefetch import Prefetcher
+from tests.shards import random_docs, word_tokenizer, write_shard
 
 CFG = FakeDataConfig(seq_len=64, batch_tokens=512, micro_batch_tokens=128, pattern="counting")
 
@@ -50,19 +52,25 @@ def test_worker_errors_reach_the_trainer() -> None:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
-def test_building_micro_batches_starts_no_compute_threads() -> None:
+@pytest.mark.parametrize("kind", ["fake", "tokens"])
+def test_building_micro_batches_starts_no_compute_threads(kind: str, tmp_path: Path) -> None:
     # A torch compute op in the worker thread would give it an OpenMP team of its own (one more OS thread here),
     # which slows the trainer's compute threads; the data path must stay in numpy.
     script = textwrap.dedent(
         """
         import os, threading, torch
-        from lmforge.config import FakeDataConfig
-        from lmforge.data import build_step_data
+        from lmforge.config import FakeDataConfig, TokensDataConfig
+        from lmforge.data import build_step_data, load_tokenizer
         torch.set_num_threads(2)
         a = torch.randn(256, 256)
         (a @ a).sum()
+        sizes = dict(seq_len=64, batch_tokens=512, micro_batch_tokens=128)
+        if KIND == "fake":
+            data = build_step_data(FakeDataConfig(**sizes), 0, 1)
+        else:
+            cfg = TokensDataConfig(paths=[SHARDS], max_epochs=100, **sizes)
+            data = build_step_data(cfg, 0, 1, load_tokenizer(TOKENIZER))
         before = len(os.listdir("/proc/self/task"))
-        data = build_step_data(FakeDataConfig(seq_len=64, batch_tokens=512, micro_batch_tokens=128), 0, 1)
         done, release = threading.Event(), threading.Event()
         def work():
             data.next_step()
@@ -77,5 +85,11 @@ def test_building_micro_batches_starts_no_compute_threads() -> None:
         t.join()
         """
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    write_shard(tmp_path / "shards", "00000", random_docs(200, seed=0))
+    word_tokenizer(tmp_path / "tok")
+    header = f"KIND = {kind!r}\nSHARDS = {str(tmp_path / 'shards')!r}\nTOKENIZER = {str(tmp_path / 'tok')!r}\n"
+    out = subprocess.run(
+        [sys.executable, "-c", header + script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1"  # the worker thread itself, nothing more

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from lmforge.config.checks import check_config
-from lmforge.config.data import DataConfig, FakeDataConfig
+from lmforge.config.data import DataConfig, FakeDataConfig, TokensDataConfig
 from lmforge.config.loader import ConfigError, RawConfig, compose, dump_toml, validate
 from lmforge.config.model import ACConfig, InitConfig, ModelConfig
 from lmforge.config.optim import AdamWConfig, OptimConfig, ScheduleConfig
-from lmforge.config.train import LogConfig, TrainConfig
+from lmforge.config.train import LogConfig, TokenizerConfig, TrainConfig
 
 __all__ = [
     "ACConfig",
@@ -21,6 +21,8 @@ __all__ = [
     "OptimConfig",
     "RawConfig",
     "ScheduleConfig",
+    "TokenizerConfig",
+    "TokensDataConfig",
     "TrainConfig",
     "dump_toml",
     "load_train_config",

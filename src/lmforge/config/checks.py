@@ -30,6 +30,8 @@ def config_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
                 f"{data.seq_len} exceeds model.arch.max_position_embeddings ({arch.max_position_embeddings})",
             )
         )
+    if data.type == "tokens" and config.tokenizer.name is None:
+        problems.append(("tokenizer.name", "required with data.type = 'tokens' (the shards' tokenizer)"))
     return problems
 
 

@@ -46,5 +46,18 @@ class FakeDataConfig(BatchFields):
     previous tokens of the same document, so the loss falls well below ln(vocab_size)."""
 
 
-DataConfig = Annotated[FakeDataConfig, Field(discriminator="type")]
+class TokensDataConfig(BatchFields):
+    """`data.type = "tokens"`: pretraining on folders of datatrove token shards, read as one pool."""
+
+    type: Literal["tokens"] = "tokens"
+    """Data type: datatrove token shards."""
+
+    paths: list[str] = Field(min_length=1)
+    """Folders of `.ds` shards, read as one pool in this order (then file order inside each folder)."""
+
+    max_epochs: int = Field(default=1, ge=1)
+    """Passes over the pool the run may make; a run that needs more fails at startup."""
+
+
+DataConfig = Annotated[FakeDataConfig | TokensDataConfig, Field(discriminator="type")]
 """Any data type, chosen by its `type` field."""

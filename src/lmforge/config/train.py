@@ -17,6 +17,14 @@ class LogConfig(Section):
     """Write a console line and a metrics.jsonl record every interval steps (and at the last step)."""
 
 
+class TokenizerConfig(Section):
+    """`[tokenizer]`: the tokenizer whose ids the data holds."""
+
+    name: str | None = None
+    """A local tokenizer folder (tokenizer.json + tokenizer_config.json) or tokenizer.json file; sets the model's
+    vocabulary (its length rounded up to 128) and the EOS id. Required for token-shard data."""
+
+
 class TrainConfig(Section):
     """Everything a training run needs. Written back to `<output_dir>/config.toml`."""
 
@@ -28,6 +36,9 @@ class TrainConfig(Section):
 
     model: ModelConfig
     """The model."""
+
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    """The tokenizer."""
 
     data: DataConfig
     """The training data."""

@@ -14,9 +14,10 @@ import torch
 
 from lmforge.config.loader import ConfigError, dump_toml
 from lmforge.config.train import TrainConfig
-from lmforge.data import build_step_data
+from lmforge.data import TokenizerInfo, build_step_data, load_tokenizer
 from lmforge.data.batch import MicroBatch
 from lmforge.data.prefetch import Prefetcher
+from lmforge.data.tokens import TokenData
 from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from lmforge.monitor import ConsoleMonitor, JsonlMonitor, Monitors
@@ -32,6 +33,18 @@ VOCAB_MULTIPLE = 128
 def padded_vocab_size(n: int) -> int:
     """The model's vocabulary: n token ids rounded up to a multiple of 128 (faster matmuls, shardable)."""
     return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def model_vocab_size(config: TrainConfig, tokenizer: TokenizerInfo | None) -> int:
+    """The model's vocabulary: the tokenizer's length (or fake data's id range), rounded up to 128."""
+    if tokenizer is not None:
+        if config.data.type == "fake" and config.data.vocab_size > tokenizer.size:
+            raise ConfigError(
+                f"data.vocab_size ({config.data.vocab_size}) exceeds the tokenizer's {tokenizer.size} ids"
+            )
+        return padded_vocab_size(tokenizer.size)
+    assert config.data.type == "fake", "token data requires a tokenizer (checked with the config)"
+    return padded_vocab_size(config.data.vocab_size)
 
 
 def prepare_output_dir(config: TrainConfig, overwrite: bool) -> Path:
@@ -61,15 +74,17 @@ class Trainer:
         self.hooks = list(hooks)
         self.step = 0
         self.tokens_seen = 0
-        vocab = padded_vocab_size(config.data.vocab_size)  # the tokenizer's length once token data exists
+        self.tokenizer = load_tokenizer(config.tokenizer.name) if config.tokenizer.name else None
+        source = build_step_data(config.data, ctx.rank, ctx.world_size, self.tokenizer)
+        if isinstance(source, TokenData):
+            source.check_budget(config.max_steps)
+        vocab = model_vocab_size(config, self.tokenizer)
         model = build_model(config.model.arch, vocab, config.model.attn, ctx.device)
         init_weights(model, config.model.init.std, config.model.init.seed)
         self.blocks = model.blocks
         self.model = parallelize(model, self.blocks, config.model, ctx)
         self.optimizer = build_optimizer(self.model, config.optim, ctx.device)
-        self.data = Prefetcher(
-            build_step_data(config.data, ctx.rank, ctx.world_size), pin_memory=ctx.device.type == "cuda"
-        )
+        self.data = Prefetcher(source, pin_memory=ctx.device.type == "cuda")
         self.monitors = Monitors([])
         self.console: ConsoleMonitor | None = None
         if ctx.is_main:
