@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -70,18 +69,42 @@ def train_command(argv: list[str]) -> int:
     return 0
 
 
+COMMANDS = {
+    "train": "run the training loop (pretraining or SFT)",
+    "tokenizer": "tokenizer tools: `lmforge tokenizer train` trains a byte-level BPE on local text",
+    "tokenize": "turn local text into datatrove token shards",
+    "demo": "pretrain a small Llama on Shakespeare, prepared locally",
+}
+
+
+def _usage() -> str:
+    lines = ["usage: lmforge COMMAND [ARGS]", "", "commands:"]
+    lines += [f"  {name:<10} {text}" for name, text in COMMANDS.items()]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `lmforge` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="lmforge", description="Train language models: pretraining and SFT.")
-    parser.add_argument("command", choices=["train"], help="train: run the training loop (pretraining or SFT)")
     if not argv or argv[0] in ("-h", "--help"):
-        parser.print_help()
+        print(_usage())
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "train":
         return train_command(rest)
-    parser.parse_args(argv[:1])  # prints the usage error for an unknown command
+    if command == "tokenize":
+        from lmforge.prep.tokenize import tokenize_main
+
+        return tokenize_main(rest)
+    if command == "tokenizer" and rest[:1] == ["train"]:
+        from lmforge.prep.tokenizer_train import tokenizer_main
+
+        return tokenizer_main(rest[1:])
+    if command == "demo":
+        from lmforge.demo import demo_main
+
+        return demo_main(rest)
+    _err(f"unknown command {' '.join(argv[:2])!r}\n{_usage()}")
     return 2
 
 

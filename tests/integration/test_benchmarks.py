@@ -23,3 +23,26 @@ def test_overhead_smoke_trains_the_same_model_on_both_sides(tmp_path: Path) -> N
     # both sides start from the same weights and data, so their losses agree
     assert figures["first_loss"]["lmforge"] == pytest.approx(figures["first_loss"]["plain"], abs=1e-6)
     assert figures["max_loss_diff"] < 1e-4
+
+
+def test_data_benchmark_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "data.json"
+    script = ROOT / "benchmarks" / "data.py"
+    cmd = [sys.executable, str(script), "--smoke", "--pool-dir", str(tmp_path / "pool"), "--json", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    settings, loader, raw = figures["settings"], figures["loader"], figures["raw"]
+    assert loader["tokens_per_s"] > 0
+    assert all(raw[side]["tokens_per_s"] > 0 for side in ("uint16", "int64", "windows"))
+    # every timed step handed over this rank's full share of the batch, in full micro-batches
+    assert loader["tokens"] == loader["steps"] * settings["batch_tokens"] // settings["world_size"] > 0
+    per_step = settings["batch_tokens"] // (settings["micro_batch_tokens"] * settings["world_size"])
+    assert loader["micro_batches"] == loader["steps"] * per_step
+    # the pool it wrote has the size asked for, and its segments follow its documents (EOS at each segment end)
+    assert figures["pool"]["tokens"] == settings["tokens"]
+    assert loader["boundaries_ok"]
+    mean_segments = settings["seq_len"] / settings["mean_doc_len"] + 1  # documents a window overlaps, on average
+    assert 0.7 * mean_segments < loader["segments_per_window"] < 1.3 * mean_segments
+    # the raw sides copied at least as many tokens as the loader produced
+    assert min(raw[side]["tokens"] for side in ("uint16", "int64", "windows")) >= loader["tokens"]

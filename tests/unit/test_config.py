@@ -194,3 +194,10 @@ def test_every_field_is_documented() -> None:
         and not re.search(rf"`(\w+\.)?{name}`", text)
     ]
     assert not missing
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "examples").rglob("*.toml")), ids=str)
+def test_example_configs_are_valid(path: Path) -> None:
+    for world_size in (1, 2):
+        config, _ = load_train_config(["@", str(path)], world_size)
+        assert config.max_steps > 0

@@ -1,0 +1,1 @@
+"""Data preparation commands: `lmforge tokenizer train` and `lmforge tokenize` (text -> datatrove token shards)."""
