@@ -110,3 +110,26 @@ lr = 3e-3
     assert 0 < records[-1]["progress/epoch"] < 3
     bad = run_cli(["train", "@", str(config), "--overwrite", "--max-steps", "100000"])
     assert bad.returncode == 2 and "epochs" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_datatrove_shards_without_eos_are_rejected(tmp_path: Path) -> None:
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.tokens import DocumentTokenizer
+
+    from lmforge.config import TokensDataConfig
+    from lmforge.data import ShardError
+    from lmforge.data.tokens import TokenData
+    from lmforge.prep.text_sources import list_input_files
+    from lmforge.prep.tokenize import TextReader
+
+    texts = corpus(40, seed=1)
+    source = tmp_path / "corpus.jsonl"
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    save_tokenizer_folder(train_bpe(texts, vocab_size=400), tmp_path / "tok")
+    # datatrove appends EOS only when eos_token is set; here it is not
+    writer = DocumentTokenizer(str(tmp_path / "noeos"), str(tmp_path / "tok" / "tokenizer.json"), eos_token=None)
+    reader = TextReader(list_input_files([source]), "text", None, "train")
+    LocalPipelineExecutor([reader, writer], tasks=1, logging_dir=str(tmp_path / "logs")).run()
+    cfg = TokensDataConfig(paths=[str(tmp_path / "noeos")], seq_len=16, batch_tokens=64, micro_batch_tokens=32)
+    with pytest.raises(ShardError, match="expected the tokenizer's EOS"):
+        TokenData(cfg, 0, 1, load_tokenizer(tmp_path / "tok"))
