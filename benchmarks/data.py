@@ -43,7 +43,6 @@ import cProfile
 import io
 import json
 import math
-import os
 import pstats
 import resource
 import shutil
@@ -58,6 +57,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from cpu_load import cpu_busy_s, own_cpu_s, wait_until_quiet
 from lmforge.config.data import TokensDataConfig
 from lmforge.data.batch import MicroBatch
 from lmforge.data.tokenizer import load_tokenizer
@@ -235,34 +235,6 @@ def warm_page_cache(files: list[Path]) -> tuple[float, int]:
 
 
 # ---------------------------------------------------------------------------------------------- CPU load
-
-
-def cpu_busy_s() -> float:
-    """Seconds of CPU time spent by the whole machine (all processes, all cores) since boot; 0 off Linux."""
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except OSError:
-        return 0.0
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    """CPU seconds of this process."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def wait_until_quiet(limit_s: float, threshold: float = 0.25) -> float:
-    """Wait up to `limit_s` for other processes to leave the CPUs idle; returns the busy cores last sampled."""
-    deadline = time.monotonic() + limit_s
-    while True:
-        b0, t0 = cpu_busy_s(), time.monotonic()
-        time.sleep(1.0)
-        busy = (cpu_busy_s() - b0) / (time.monotonic() - t0)
-        if busy < threshold or time.monotonic() >= deadline:
-            return busy
 
 
 # ---------------------------------------------------------------------------------------------- the two sides

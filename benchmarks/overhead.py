@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
+from cpu_load import cpu_busy_s, own_cpu_s, wait_until_quiet
 from lmforge.config import FakeDataConfig, TrainConfig
 from lmforge.config.checks import check_config
 from lmforge.data.batch import MicroBatch
@@ -218,23 +219,6 @@ def peak_rss_mib() -> float:
 # ---------------------------------------------------------------------------------------------- the two sides
 
 
-def cpu_busy_s() -> float:
-    """Seconds of CPU time spent by the whole machine (all processes, all cores) since boot; 0 off Linux."""
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except OSError:
-        return 0.0
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    """CPU seconds of this process (all its threads: torch's pool and lmforge's data prefetcher)."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 @dataclass
 class Timing:
     """What the timed steps of one side measured."""
@@ -352,20 +336,6 @@ def child_main(side: str, settings: Settings, conn: Connection) -> None:
         conn.send({"side": side, "error": traceback.format_exc()})
     finally:
         conn.close()
-
-
-def wait_until_quiet(limit_s: float, threshold: float = 0.25) -> float:
-    """Wait up to `limit_s` for other processes to leave the CPUs idle; returns the busy cores last sampled.
-
-    This process is idle while it waits, so all the CPU time the machine spends is foreign load.
-    """
-    deadline = time.monotonic() + limit_s
-    while True:
-        b0, t0 = cpu_busy_s(), time.monotonic()
-        time.sleep(1.0)
-        busy = (cpu_busy_s() - b0) / (time.monotonic() - t0)
-        if busy < threshold or time.monotonic() >= deadline:
-            return busy
 
 
 def run_side(side: str, settings: Settings, env: dict[str, str] | None = None) -> dict[str, Any]:
