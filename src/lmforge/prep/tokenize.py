@@ -24,6 +24,7 @@ from datatrove.pipeline.tokens import DocumentTokenizer
 from datatrove.utils.logging import logger
 
 from lmforge.data.tokenizer import TokenizerError, load_tokenizer
+from lmforge.prep.command import parse_args, usage_error
 from lmforge.prep.text_sources import InputFile, SourceError, iter_file_documents, list_input_files
 
 LOG_DIR_NAME = ".datatrove"
@@ -263,16 +264,14 @@ def _jobs(args: argparse.Namespace) -> list[TokenizeJob]:
 
 
 def _error(message: str) -> int:
-    print(f"lmforge tokenize: error: {message}", file=sys.stderr)
-    return 2
+    return usage_error("lmforge tokenize", message)
 
 
 def tokenize_main(argv: list[str]) -> int:
     """Run `lmforge tokenize` with the arguments after `tokenize`; returns the exit code (2 for bad input)."""
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit as e:  # argparse has printed usage or help already
-        return int(e.code or 0)
+    args = parse_args(_parser(), argv)
+    if isinstance(args, int):
+        return args
     try:
         _check_args(args)
         jobs = _jobs(args)

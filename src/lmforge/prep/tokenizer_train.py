@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from lmforge.prep.command import parse_args, usage_error
 from lmforge.prep.text_sources import SourceError, iter_file_documents, list_input_files
 
 BOS_TOKEN = "<|begin_of_text|>"
@@ -129,16 +129,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _error(message: str) -> int:
-    print(f"lmforge tokenizer train: error: {message}", file=sys.stderr)
-    return 2
+    return usage_error("lmforge tokenizer train", message)
 
 
 def tokenizer_main(argv: list[str]) -> int:
     """Run `lmforge tokenizer train` with the arguments after `train`; returns the exit code (2 for bad input)."""
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit as e:  # argparse has printed usage or help already
-        return int(e.code or 0)
+    args = parse_args(_parser(), argv)
+    if isinstance(args, int):
+        return args
     out: Path = args.output
     if out.exists() and not out.is_dir():
         return _error(f"--output {out}: exists and is not a folder")

@@ -81,8 +81,7 @@ class Trainer:
         vocab = model_vocab_size(config, self.tokenizer)
         model = build_model(config.model.arch, vocab, config.model.attn, ctx.device)
         init_weights(model, config.model.init.std, config.model.init.seed)
-        self.blocks = model.blocks
-        self.model = parallelize(model, self.blocks, config.model, ctx)
+        self.model = parallelize(model, model.blocks, config.model, ctx)
         self.optimizer = build_optimizer(self.model, config.optim, ctx.device)
         self.data = Prefetcher(source, pin_memory=ctx.device.type == "cuda")
         self.monitors = Monitors([])
