@@ -1,0 +1,227 @@
+"""Mapping between the architecture configs and the Hugging Face `config.json` of a Llama or Qwen3 model.
+
+`arch_to_hf_config` writes the keys `transformers` itself saves for `LlamaConfig` / `Qwen3Config`, with the RoPE
+base both in `rope_parameters` (read by transformers 5) and as a top-level `rope_theta` (read by transformers 4).
+`read_hf_config` accepts only what the lmforge decoder computes exactly: SiLU MLPs without bias, plain RoPE and,
+for Qwen3, full attention in every layer. Anything else fails with the file and field at fault.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from lmforge.model.config import LlamaArch, Qwen3Arch
+
+CONFIG_NAME = "config.json"
+"""File name of the model config inside an HF model folder."""
+
+GENERATION_CONFIG_NAME = "generation_config.json"
+"""File name of the generation defaults inside an HF model folder."""
+
+_CLASS_NAMES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCH_CLASSES: dict[str, type[LlamaArch] | type[Qwen3Arch]] = {"llama": LlamaArch, "qwen3": Qwen3Arch}
+_EXPORT_DTYPES = ("bfloat16", "float32")
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+# What an HF config means when it leaves a field out: the defaults of transformers' config classes, which differ
+# from the lmforge defaults (an absent rms_norm_eps is 1e-6 for an HF Llama, an absent head_dim 128 for Qwen3).
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": None},
+    "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": 128},
+}
+
+
+class HFModelError(ValueError):
+    """An HF model folder that lmforge cannot read or load; the message names the file (and field) at fault."""
+
+
+@dataclass(frozen=True)
+class HFModelInfo:
+    """What an HF `config.json` says about the model: its architecture, vocabulary and special tokens."""
+
+    arch: LlamaArch | Qwen3Arch
+    """The architecture, with every default of the HF config class made explicit."""
+    vocab_size: int
+    """Rows of the embedding matrix."""
+    bos_id: int | None
+    """Beginning-of-sequence token id, if the config names one."""
+    eos_id: int | None
+    """End-of-sequence token id (the first one when the config lists several)."""
+    pad_id: int | None
+    """Padding token id, if the config names one."""
+    torch_dtype: str | None
+    """The dtype the weights were saved in (`dtype`, or the older `torch_dtype`), if the config says."""
+
+
+def arch_to_hf_config(
+    arch: LlamaArch | Qwen3Arch,
+    vocab_size: int,
+    *,
+    bos_id: int | None,
+    eos_id: int | None,
+    pad_id: int | None,
+    dtype: str,
+    init_std: float = 0.02,
+) -> dict[str, Any]:
+    """The complete `config.json` of `arch` as a `LlamaForCausalLM` or `Qwen3ForCausalLM`, keys sorted."""
+    if dtype not in _EXPORT_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_EXPORT_DTYPES)}; got {dtype!r}")
+    config: dict[str, Any] = {
+        "architectures": [_CLASS_NAMES[arch.model_type]],
+        "model_type": arch.model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.intermediate_size,
+        "num_hidden_layers": arch.num_hidden_layers,
+        "num_attention_heads": arch.num_attention_heads,
+        "num_key_value_heads": arch.kv_heads,
+        "head_dim": arch.dim_per_head,
+        "max_position_embeddings": arch.max_position_embeddings,
+        "rms_norm_eps": arch.rms_norm_eps,
+        "rope_parameters": {"rope_theta": arch.rope_theta, "rope_type": "default"},
+        # transformers 4 reads only the top-level key and would silently fall back to its default base.
+        "rope_theta": arch.rope_theta,
+        "tie_word_embeddings": arch.tie_word_embeddings,
+        "attention_bias": arch.attention_bias,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "mlp_bias": False,
+        "initializer_range": init_std,
+        "use_cache": True,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "dtype": dtype,
+    }
+    if arch.model_type == "qwen3":
+        config.update(
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=arch.num_hidden_layers,
+            layer_types=["full_attention"] * arch.num_hidden_layers,
+        )
+    else:
+        config["pretraining_tp"] = 1
+    return dict(sorted(config.items()))
+
+
+def generation_config(bos_id: int | None, eos_id: int | None, pad_id: int | None) -> dict[str, Any]:
+    """The `generation_config.json` of an exported model: its special token ids (unset ones left out)."""
+    ids = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
+    return {key: value for key, value in ids.items() if value is not None}
+
+
+def read_hf_config(folder: Path) -> HFModelInfo:
+    """Read `folder/config.json` of a Llama or Qwen3 model into an architecture lmforge can build exactly."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise HFModelError(f"{folder}: no such model folder")
+    path = folder / CONFIG_NAME
+    if not path.is_file():
+        raise HFModelError(f"{path}: not found; an HF model folder needs a {CONFIG_NAME}")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HFModelError(f"{path}: cannot be read as JSON: {err}") from err
+    if not isinstance(raw, dict):
+        raise HFModelError(f"{path}: must hold a JSON object, got {type(raw).__name__}")
+
+    model_type = raw.get("model_type")
+    if model_type not in _ARCH_CLASSES:
+        raise HFModelError(
+            f"{path}: model_type {model_type!r} is not supported; supported: {', '.join(sorted(_ARCH_CLASSES))}"
+        )
+    missing = [key for key in _REQUIRED if raw.get(key) is None]
+    if missing:
+        raise HFModelError(f"{path}: required field(s) missing: {', '.join(missing)}")
+    _check_supported(raw, path)
+
+    defaults = _HF_DEFAULTS[model_type]
+    fields: dict[str, Any] = {key: raw[key] for key in _REQUIRED if key != "vocab_size"}
+    for key, default in defaults.items():
+        fields[key] = raw[key] if raw.get(key) is not None else default
+    fields["rope_theta"] = _rope_theta(raw, defaults["rope_theta"])
+    fields["num_key_value_heads"] = raw.get("num_key_value_heads")
+    fields["tie_word_embeddings"] = raw.get("tie_word_embeddings", False)
+    fields["attention_bias"] = raw.get("attention_bias", False)
+    try:
+        arch = _ARCH_CLASSES[model_type](**fields)
+    except ValidationError as err:
+        raise HFModelError(f"{path}: not a valid {model_type} architecture:\n{err}") from err
+
+    vocab_size = raw["vocab_size"]
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size <= 0:
+        raise HFModelError(f"{path}: vocab_size must be a positive integer, got {vocab_size!r}")
+    dtype = raw.get("dtype") or raw.get("torch_dtype")
+    return HFModelInfo(
+        arch=arch,
+        vocab_size=vocab_size,
+        bos_id=_token_id(raw, "bos_token_id", path),
+        eos_id=_token_id(raw, "eos_token_id", path),
+        pad_id=_token_id(raw, "pad_token_id", path),
+        torch_dtype=str(dtype) if dtype is not None else None,
+    )
+
+
+def _check_supported(raw: dict[str, Any], path: Path) -> None:
+    """Reject the features the lmforge decoder does not compute, naming the field."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise HFModelError(f"{path}: hidden_act {act!r} is not supported; lmforge MLPs use silu (SwiGLU)")
+    if raw.get("mlp_bias"):
+        raise HFModelError(f"{path}: mlp_bias true is not supported; lmforge MLPs have no bias")
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = raw.get(key)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise HFModelError(f"{path}: {key} must be an object or null, got {rope!r}")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise HFModelError(
+                f"{path}: {key} with rope_type {rope_type!r} is not supported; lmforge has plain RoPE only "
+                f"(rope_type 'default')"
+            )
+        # A scalar entry other than the base would change the frequencies; nested per-layer dicts are not plain RoPE.
+        extra = sorted(set(rope) - {"rope_type", "type", "rope_theta"})
+        if extra and not (extra == ["partial_rotary_factor"] and rope["partial_rotary_factor"] == 1.0):
+            raise HFModelError(f"{path}: {key} field(s) {', '.join(extra)} are not supported; plain RoPE only")
+    if raw.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HFModelError(f"{path}: partial_rotary_factor {raw['partial_rotary_factor']!r} is not supported")
+    if raw["model_type"] == "qwen3":
+        if raw.get("use_sliding_window"):
+            raise HFModelError(f"{path}: use_sliding_window true is not supported; lmforge attends to the full row")
+        layer_types = raw.get("layer_types") or []
+        windowed = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
+        if windowed:
+            raise HFModelError(
+                f"{path}: layer_types {layer_types[windowed[0]]!r} at layer {windowed[0]} is not supported; "
+                f"lmforge has full attention only"
+            )
+
+
+def _rope_theta(raw: dict[str, Any], default: float) -> Any:
+    """The RoPE base: `rope_parameters.rope_theta` (transformers 5) before the top-level key (transformers 4)."""
+    params = raw.get("rope_parameters") or {}
+    if params.get("rope_theta") is not None:
+        return params["rope_theta"]
+    if raw.get("rope_theta") is not None:
+        return raw["rope_theta"]
+    return default
+
+
+def _token_id(raw: dict[str, Any], key: str, path: Path) -> int | None:
+    """A token id field; HF configs may list several end tokens, of which the first is the primary one."""
+    value = raw.get(key)
+    if isinstance(value, list):
+        value = value[0] if value else None
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise HFModelError(f"{path}: {key} must be a non-negative integer, a list of them or null; got {value!r}")
+    return value
