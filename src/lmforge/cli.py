@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 USAGE_TRAIN = """usage: lmforge train [@ FILE.toml ...] [--section.field VALUE ...] [--no-section.flag]
                      [--overwrite] [--dry-run]
@@ -17,7 +19,8 @@ processes: torchrun --nproc-per-node 8 -m lmforge train @ run.toml"""
 def _err(message: str) -> None:
     # Under torchrun every rank sees the same config error; one copy is enough.
     if os.environ.get("RANK", "0") == "0":
-        Console(stderr=True).print(f"[bold red]lmforge:[/] {message}", highlight=False, soft_wrap=True)
+        # Messages name TOML sections such as [model.arch]: escape them so rich does not read them as markup.
+        Console(stderr=True).print(f"[bold red]lmforge:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def train_command(argv: list[str]) -> int:
@@ -42,25 +45,30 @@ def train_command(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from lmforge.data import DataError
+    from lmforge.model.hf_config import HFModelError
+    from lmforge.train.checkpoint import CheckpointError
     from lmforge.train.parallel import init_distributed, shutdown_distributed
     from lmforge.train.trainer import Trainer, prepare_output_dir
 
     ctx = init_distributed()
     try:
-        # Rank 0 owns the run directory; every rank learns whether it could be prepared, so none waits alone.
-        problem = [None]
+        # Rank 0 owns the run directory; every rank learns whether it could be prepared (and which checkpoint
+        # the run resumes from), so none waits alone.
+        shared: list[object] = [None, None]
         if ctx.is_main:
             try:
-                prepare_output_dir(config, overwrite)
-            except ConfigError as e:
-                problem = [str(e)]
-        dist.broadcast_object_list(problem, src=0)
-        if problem[0] is not None:
-            _err(problem[0])
+                ckpt = prepare_output_dir(config, overwrite)
+                shared[1] = None if ckpt is None else str(ckpt)
+            except (ConfigError, CheckpointError) as e:
+                shared[0] = str(e)
+        dist.broadcast_object_list(shared, src=0)
+        if shared[0] is not None:
+            _err(str(shared[0]))
             return 2
+        resume_from = None if shared[1] is None else Path(str(shared[1]))
         try:
-            trainer = Trainer(config, ctx)
-        except (ConfigError, *DataError) as e:
+            trainer = Trainer(config, ctx, resume_from=resume_from)
+        except (ConfigError, CheckpointError, HFModelError, *DataError) as e:
             _err(str(e))
             return 2
         trainer.train()
@@ -69,10 +77,39 @@ def train_command(argv: list[str]) -> int:
     return 0
 
 
+def export_command(argv: list[str]) -> int:
+    """`lmforge export RUN_DIR|CHECKPOINT --output DIR [--dtype bfloat16|float32] [--max-shard-size GB]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="lmforge export",
+        description="Write a run's latest checkpoint (or the checkpoint folder given) as a plain Hugging Face model "
+        "folder: config.json, generation_config.json, tokenizer files and safetensors weights.",
+    )
+    parser.add_argument("source", type=Path, help="a run directory or one of its checkpoints/step_N folders")
+    parser.add_argument("--output", "-o", type=Path, required=True, help="the folder to create")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="dtype of the weights")
+    parser.add_argument("--max-shard-size", type=float, default=5.0, help="GB per safetensors file (default 5)")
+    args = parser.parse_args(argv)
+    from lmforge.hf_folder import export_model
+    from lmforge.model.hf_config import HFModelError
+    from lmforge.train.checkpoint import CheckpointError
+
+    try:
+        ckpt = export_model(args.source, args.output, args.dtype, int(args.max_shard_size * 1e9))
+    except (CheckpointError, HFModelError, FileExistsError) as e:
+        _err(str(e))
+        return 2
+    Console().print(f"exported {ckpt} -> {args.output} ({args.dtype})", highlight=False)
+    return 0
+
+
 COMMANDS = {
     "train": "run the training loop (pretraining or SFT)",
     "tokenizer": "tokenizer tools: `lmforge tokenizer train` trains a byte-level BPE on local text",
     "tokenize": "turn local text into datatrove token shards",
+    "export": "write a run's checkpoint as a plain Hugging Face model folder",
+    "sample": "generate text from a model folder, run directory or checkpoint",
     "demo": "pretrain a small Llama on Shakespeare, prepared locally",
 }
 
@@ -100,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         from lmforge.prep.tokenizer_train import tokenizer_main
 
         return tokenizer_main(rest[1:])
+    if command == "export":
+        return export_command(rest)
+    if command == "sample":
+        from lmforge.sample import sample_main
+
+        return sample_main(rest)
     if command == "demo":
         from lmforge.demo import demo_main
 

@@ -51,13 +51,19 @@ def env_one_thread() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def run_cli(args: list[str], nproc: int = 1, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """`lmforge <args>` as a plain process, or under torchrun with `nproc` processes; killed after `timeout`."""
+def cli_command(args: list[str], nproc: int = 1, script: Path | None = None) -> list[str]:
+    """The command line of `lmforge <args>` (or of `script <args>`), plain or under torchrun."""
+    entry = [str(script)] if script is not None else ["-m", "lmforge"]
     if nproc == 1:
-        cmd = [sys.executable, "-m", "lmforge", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "lmforge", *args]  # fmt: skip
+        return [sys.executable, *entry, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry, *args]
+
+
+def run_cli(
+    args: list[str], nproc: int = 1, timeout: float = 240, script: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`lmforge <args>` as a plain process, or under torchrun with `nproc` processes; killed after `timeout`."""
+    cmd = cli_command(args, nproc, script)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_one_thread(), check=False)
 
 

@@ -146,13 +146,15 @@ def test_output_dir_refuses_to_mix_runs(tmp_path: Path) -> None:
     from lmforge.config import ConfigError
 
     config = train_config(tmp_path)
-    out = prepare_output_dir(config, overwrite=False)
+    assert prepare_output_dir(config, overwrite=False) is None  # nothing to resume from
+    out = Path(config.output_dir)
     assert (out / "config.toml").exists()
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "checkpoints" / "step_1").mkdir(parents=True)
     with pytest.raises(ConfigError, match="already holds a run"):
         prepare_output_dir(config, overwrite=False)
     prepare_output_dir(config, overwrite=True)
-    assert not (out / "metrics.jsonl").exists()
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
 
 
 def test_trainer_writes_metrics_with_design_names(ctx: DistContext, tmp_path: Path) -> None:

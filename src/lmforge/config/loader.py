@@ -149,13 +149,14 @@ def _field_index(model: type[BaseModel]) -> tuple[dict[str, list[str]], frozense
     tags: set[str] = set()
 
     def walk(section: type[BaseModel], prefix: str) -> None:
-        known[prefix] = list(section.model_fields)
+        known[prefix] = [info.alias or name for name, info in section.model_fields.items()]
         for name, info in section.model_fields.items():
             stack = [info.annotation]
             while stack:
                 ann = stack.pop()
                 if isinstance(ann, type) and issubclass(ann, BaseModel):
-                    walk(ann, f"{prefix}.{name}" if prefix else name)
+                    key = info.alias or name
+                    walk(ann, f"{prefix}.{key}" if prefix else key)
                     tag_field = ann.model_fields.get("type") or ann.model_fields.get("model_type")
                     if tag_field is not None:
                         tags.update(str(a) for a in get_args(tag_field.annotation))
@@ -202,4 +203,4 @@ def validate(model: type[BaseModel], raw: RawConfig) -> BaseModel:
 
 def dump_toml(config: BaseModel) -> str:
     """The config as TOML that loads back to an equal config (unset optional fields are omitted)."""
-    return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))
+    return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True, by_alias=True))

@@ -33,8 +33,13 @@ class ACConfig(Section):
 class ModelConfig(Section):
     """`[model]`: what is trained and how it is laid out on the devices."""
 
-    arch: ArchConfig
-    """The architecture: `model_type` plus its fields (see docs/model.md)."""
+    name: str | None = None
+    """A local Hugging Face model folder (config.json + safetensors) to start from: the architecture is read from
+    its config.json and its weights are loaded instead of a random init. Unset: train from scratch."""
+
+    arch: ArchConfig | None = None
+    """The architecture: `model_type` plus its fields (see docs/model.md). Required unless `name` is set, which
+    fills it in from the folder's config.json."""
 
     init: InitConfig = InitConfig()
     """From-scratch initialization."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from lmforge.config.base import Section
+from lmforge.config.ckpt import CkptConfig, ResumeConfig
 from lmforge.config.data import DataConfig
 from lmforge.config.model import ModelConfig
 from lmforge.config.optim import OptimConfig, ScheduleConfig
@@ -51,3 +52,9 @@ class TrainConfig(Section):
 
     log: LogConfig = LogConfig()
     """Console and metrics output."""
+
+    ckpt: CkptConfig = CkptConfig()
+    """Checkpoints: interval, retention, async writing."""
+
+    resume: ResumeConfig = ResumeConfig()
+    """Where the run continues from."""

@@ -5,10 +5,12 @@ Every data type and init goes through here; features that only some runs need ar
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,10 +24,20 @@ from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from lmforge.monitor import ConsoleMonitor, JsonlMonitor, Monitors
 from lmforge.optim import build_optimizer, set_lr_multiplier, wsd_multiplier
+from lmforge.train.checkpoint import (
+    CHECKPOINTS,
+    MODEL_FILES,
+    Checkpointer,
+    find_checkpoint,
+    load_checkpoint,
+    read_trainer_state,
+    write_atomic,
+)
 from lmforge.train.hooks import StepHook
 from lmforge.train.metrics import peak_memory_gib, perplexity, reduce_step_stats
 from lmforge.train.micro_batches import rerun_without_nonfinite, run_micro_batches
 from lmforge.train.parallel import DistContext, parallelize
+from lmforge.train.preemption import StopRequest
 
 VOCAB_MULTIPLE = 128
 
@@ -36,7 +48,16 @@ def padded_vocab_size(n: int) -> int:
 
 
 def model_vocab_size(config: TrainConfig, tokenizer: TokenizerInfo | None) -> int:
-    """The model's vocabulary: the tokenizer's length (or fake data's id range), rounded up to 128."""
+    """The model's vocabulary: a pretrained model's own, else the tokenizer's length (or fake data's id range)
+    rounded up to 128."""
+    if config.model.name is not None:
+        from lmforge.model.hf_config import read_hf_config
+
+        vocab = read_hf_config(Path(config.model.name)).vocab_size
+        ids = tokenizer.size if tokenizer is not None else getattr(config.data, "vocab_size", 0)
+        if ids > vocab:
+            raise ConfigError(f"model.name {config.model.name} has {vocab} embeddings, fewer than the {ids} token ids")
+        return vocab
     if tokenizer is not None:
         if config.data.type == "fake" and config.data.vocab_size > tokenizer.size:
             raise ConfigError(
@@ -47,43 +68,108 @@ def model_vocab_size(config: TrainConfig, tokenizer: TokenizerInfo | None) -> in
     return padded_vocab_size(config.data.vocab_size)
 
 
-def prepare_output_dir(config: TrainConfig, overwrite: bool) -> Path:
-    """Create the run directory and write the resolved config; refuse to mix two runs' metrics."""
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    # A resumed run rewrites the steps after its checkpoint; drop their old records so the file is one curve.
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+            if line.strip() and json.loads(line)["step"] <= last_step]  # fmt: skip
+    write_atomic(path, "".join(keep))
+
+
+def prepare_output_dir(config: TrainConfig, overwrite: bool) -> Path | None:
+    """Create the run directory and write the resolved config; returns the checkpoint to resume from, if any.
+
+    A used output_dir is refused unless the run resumes from its own checkpoints (its metrics after the resumed
+    step are dropped) or `overwrite` starts it over (its metrics and checkpoints are deleted).
+    """
+    import shutil
+
     out = Path(config.output_dir)
     metrics = out / "metrics.jsonl"
+    resume = config.resume
+    own = resume.path is None or Path(resume.path).resolve() in (out.resolve(), (out / CHECKPOINTS).resolve())
+    if resume.step is not None and own and overwrite:
+        raise ConfigError("--overwrite deletes this run's checkpoints: it cannot be combined with resume.step")
+    ckpt = find_checkpoint(Path(resume.path or out), resume.step) if resume.step is not None else None
     if metrics.exists():
-        if not overwrite:
+        if ckpt is not None and own:
+            _truncate_metrics(metrics, read_trainer_state(ckpt)["step"])
+        elif resume.step == "auto" and own:
+            metrics.unlink()  # the earlier attempt never reached a checkpoint: it starts over
+        elif overwrite:
+            metrics.unlink()
+            shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
+        else:
             raise ConfigError(
-                f"output_dir {out} already holds a run ({metrics} exists); choose another --output-dir "
-                "or pass --overwrite to start over"
+                f"output_dir {out} already holds a run ({metrics} exists); choose another --output-dir, "
+                "pass --overwrite to start over, or --resume.step latest to continue it"
             )
-        metrics.unlink()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(dump_toml(config), encoding="utf-8")
-    return out
+    return ckpt
 
 
 class Trainer:
     """Owns the model, optimizer, data stream and monitors of one rank."""
 
     def __init__(
-        self, config: TrainConfig, ctx: DistContext, hooks: Sequence[StepHook] = (), console: bool = True
+        self,
+        config: TrainConfig,
+        ctx: DistContext,
+        hooks: Sequence[StepHook] = (),
+        console: bool = True,
+        resume_from: Path | None = None,
     ) -> None:
+        """Build everything of this rank; `resume_from` is a checkpoint folder (see `prepare_output_dir`)."""
         self.config = config
         self.ctx = ctx
         self.hooks = list(hooks)
         self.step = 0
         self.tokens_seen = 0
+        self.schedule_start = 0
+        self.stopped_by: str | None = None
+        self.stop_agreed = False
+        self.run_dir = Path(config.output_dir)
         self.tokenizer = load_tokenizer(config.tokenizer.name) if config.tokenizer.name else None
         source = build_step_data(config.data, ctx.rank, ctx.world_size, self.tokenizer)
-        if isinstance(source, TokenData):
-            source.check_budget(config.max_steps)
         vocab = model_vocab_size(config, self.tokenizer)
-        model = build_model(config.model.arch, vocab, config.model.attn, ctx.device)
-        init_weights(model, config.model.init.std, config.model.init.seed)
+        arch = config.model.arch
+        assert arch is not None, "model.arch is filled in from model.name when the config is loaded"
+        model = build_model(arch, vocab, config.model.attn, ctx.device)
+        if resume_from is None and config.model.name is None:
+            init_weights(model, config.model.init.std, config.model.init.seed)
         self.model = parallelize(model, model.blocks, config.model, ctx)
+        if resume_from is None and config.model.name is not None:
+            from lmforge.model.hf_weights import load_hf_weights
+
+            load_hf_weights(self.model, Path(config.model.name))
         self.optimizer = build_optimizer(self.model, config.optim, ctx.device)
+        state: dict[str, Any] = {}
+        if resume_from is not None:
+            skip = config.resume
+            state = load_checkpoint(resume_from, self.model, None if skip.skip_optimizer else self.optimizer, ctx.rank)
+            self.step = self.schedule_start = int(state["step"])
+            self.tokens_seen = int(state["tokens_seen"])
+            if not skip.skip_scheduler:
+                self.schedule_start = int(state["schedule_start"])
+            if skip.skip_data:
+                state.pop("data")
+        if isinstance(source, TokenData):
+            source.check_budget(config.max_steps - (self.step if "data" not in state else 0))
         self.data = Prefetcher(source, pin_memory=ctx.device.type == "cuda")
+        if "data" in state:
+            self.data.load_state_dict(state["data"])
+        if ctx.is_main:
+            from lmforge.hf_folder import write_model_files
+
+            write_model_files(self.run_dir / MODEL_FILES, arch, vocab, self.tokenizer, init_std=config.model.init.std)
+        self.checkpointer = Checkpointer(
+            self.run_dir,
+            config.ckpt,
+            ctx,
+            {"config.toml": self.run_dir / "config.toml", MODEL_FILES: self.run_dir / MODEL_FILES},
+        )
         self.monitors = Monitors([])
         self.console: ConsoleMonitor | None = None
         if ctx.is_main:
@@ -97,8 +183,9 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
-    def train_step(self, micro_batches: list[MicroBatch], data_wait: float) -> dict[str, float]:
-        """One optimizer step over this rank's micro-batches; returns the step's global metrics."""
+    def train_step(self, micro_batches: list[MicroBatch], data_wait: float, stop: bool = False) -> dict[str, float]:
+        """One optimizer step over this rank's micro-batches; returns the step's global metrics. `stop` is this
+        rank's stop request; `self.stop_agreed` says afterwards whether any rank made one."""
         device, defer = self.ctx.device, self.config.model.defer_grad_sync
         stats = run_micro_batches(self.model, micro_batches, device, defer)
         grad_norm = self._clip()
@@ -115,13 +202,17 @@ class Trainer:
                 "grad_norm": grad_norm,
                 "data_wait": wait,
                 "peak_memory": torch.tensor(peak_memory_gib(device), device=device),
+                "stop": torch.tensor(float(stop), device=device),
             },
         )
+        self.stop_agreed = maxes["stop"] > 0
         if sums["nan_count"] > 0:
             # Rare: redo the step without the bad micro-batches (on every rank, so FSDP collectives match).
             rerun_without_nonfinite(self.model, micro_batches, stats.finite.tolist(), device, defer)
             maxes["grad_norm"] = float(self._clip())
-        multiplier = wsd_multiplier(self.step + 1, self.config.max_steps, self.config.schedule)
+        multiplier = wsd_multiplier(
+            self.step + 1 - self.schedule_start, self.config.max_steps - self.schedule_start, self.config.schedule
+        )
         set_lr_multiplier(self.optimizer, multiplier)
         skipped = not math.isfinite(maxes["grad_norm"]) or sums["loss_tokens"] == 0
         if not skipped:
@@ -145,31 +236,74 @@ class Trainer:
             "batch/tokens": sums["tokens"],
         }
 
+    def save_checkpoint(self) -> float:
+        """Checkpoint the current step (every rank); returns the seconds the step loop was blocked."""
+        state = {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "schedule_start": self.schedule_start,
+            "data": self.data.state_dict(),
+        }
+        return self.checkpointer.save(self.step, self.model, self.optimizer, state)
+
+    def _checkpoint_due(self) -> bool:
+        ckpt, step = self.config.ckpt, self.step
+        if step == self.config.max_steps and ckpt.final:
+            return True
+        return ckpt.interval is not None and step % ckpt.interval == 0
+
     def train(self) -> None:
-        """Run steps until max_steps, then the end-of-training hooks."""
+        """Run steps until max_steps (or a stop signal), then the end-of-training hooks."""
         cfg = self.config
+        stop = StopRequest()
+        stop.install()
         last = time.perf_counter()
         try:
             while self.step < cfg.max_steps:
                 t0 = time.perf_counter()
                 micro_batches = self.data.next_step()
-                metrics = self.train_step(micro_batches, time.perf_counter() - t0)
+                metrics = self.train_step(micro_batches, time.perf_counter() - t0, stop.requested)
                 now = time.perf_counter()
                 metrics["time/step"] = now - last
                 metrics["perf/throughput"] = metrics.pop("batch/tokens") / metrics["time/step"]
-                last = now
+                saved = self._checkpoint_due() or self.stop_agreed
+                if saved:
+                    metrics["time/save_ckpt"] = self.save_checkpoint()
+                else:
+                    self.checkpointer.poll()
                 for hook in self.hooks:
                     if hasattr(hook, "after_optimizer_step"):
                         hook.after_optimizer_step(self, self.step, metrics)
                 if self.console is not None:
                     self.console.update(self.step, metrics)
-                if self.step % cfg.log.interval == 0 or self.step == cfg.max_steps or self.step == 1:
+                if saved or self.step % cfg.log.interval == 0 or self.step == cfg.max_steps or self.step == 1:
                     self.monitors.log(self.step, metrics)
+                last = time.perf_counter()  # a checkpoint's time is time/save_ckpt, not the next step's time/step
+                if self.stop_agreed:
+                    self.stopped_by = stop.signal_name or "a stop signal on another rank"
+                    break
+            self.checkpointer.close()
+            if self.stopped_by is not None:
+                self._announce_stop()
+                return
             for hook in self.hooks:
                 if hasattr(hook, "on_train_end"):
                     hook.on_train_end(self)
         finally:
+            stop.uninstall()
             self.close()
+
+    def _announce_stop(self) -> None:
+        if self.ctx.is_main:
+            where = self.run_dir / CHECKPOINTS
+            message = (
+                f"lmforge: stopped after step {self.step} ({self.stopped_by}); checkpoint {where}/step_{self.step}. "
+                f"Continue with the same command plus --resume.step latest"
+            )
+            if self.console is not None:
+                self.console.console.print(message, highlight=False)
+            else:
+                print(message, flush=True)
 
     def close(self) -> None:
         """Stop the data worker and close the monitors."""

@@ -1,0 +1,308 @@
+"""Sharded checkpoints (torch.distributed.checkpoint) with an atomic commit, retention and exact resume.
+
+Layout of one checkpoint, `<output_dir>/checkpoints/step_N/`:
+
+    .metadata, __<rank>_0.distcp   DCP: model and optimizer, each rank writing its own shards
+    trainer.json                   step, token counter, schedule start, data position, world size
+    rng/rank_<k>.pt                RNG states of rank k (restored when the world size is unchanged)
+    config.toml                    the resolved config of the run when it was saved
+    model/                         HF config.json, generation_config.json and tokenizer files (for export)
+
+Everything is written into `checkpoints/.tmp_step_N/`, which is renamed to `step_N` once complete; only then is
+`checkpoints/latest` (a file holding the step number) replaced. A crash at any moment therefore leaves `latest`
+naming a complete checkpoint, and leftovers of an interrupted save are never mistaken for one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+import warnings
+from collections.abc import Iterable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from lmforge.config.ckpt import CkptConfig
+from lmforge.train.parallel import DistContext
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+TRAINER_STATE = "trainer.json"
+MODEL_FILES = "model"
+_TMP_PREFIX = ".tmp_"
+_OLD_PREFIX = ".old_"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete or does not fit the configured model; the message names it."""
+
+
+def step_name(step: int) -> str:
+    """Folder name of the checkpoint taken after `step` optimizer steps."""
+    return f"step_{step}"
+
+
+def is_complete(path: Path) -> bool:
+    """Whether `path` holds a committed checkpoint (DCP metadata and trainer state both written)."""
+    return (path / ".metadata").is_file() and (path / TRAINER_STATE).is_file()
+
+
+def list_checkpoints(root: Path) -> list[int]:
+    """Steps of the complete checkpoints under a `checkpoints/` folder, ascending."""
+    steps = []
+    if root.is_dir():
+        for child in root.iterdir():
+            name = child.name
+            if name.startswith("step_") and name[5:].isdigit() and is_complete(child):
+                steps.append(int(name[5:]))
+    return sorted(steps)
+
+
+def read_latest(root: Path) -> int | None:
+    """The step `checkpoints/latest` names, if the file exists."""
+    path = root / LATEST
+    if not path.is_file():
+        return None
+    text = path.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path} should hold a step number, found {text!r}")
+    return int(text)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` so a reader sees either the old or the new content, never a torn one."""
+    tmp = path.with_name(f"{_TMP_PREFIX}{path.name}")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def find_checkpoint(path: Path, step: int | str) -> Path | None:
+    """Resolve a resume request: `path` is a run directory or one checkpoint folder; `step` a number, `latest`
+    or `auto`. Returns None only for `auto` when the run has no checkpoint yet."""
+    if (path / TRAINER_STATE).is_file() or path.name.startswith("step_"):
+        if not is_complete(path):
+            raise CheckpointError(f"checkpoint {path} is incomplete (no .metadata or {TRAINER_STATE})")
+        if isinstance(step, int) and path.name != step_name(step):
+            raise CheckpointError(f"resume.step = {step} but resume.path names the checkpoint {path}")
+        return path
+    root = path / CHECKPOINTS
+    available = list_checkpoints(root)
+    if isinstance(step, int):
+        target = root / step_name(step)
+        if not is_complete(target):
+            have = ", ".join(map(str, available)) or "none"
+            raise CheckpointError(f"no complete checkpoint for step {step} in {root} (complete checkpoints: {have})")
+        return target
+    latest = read_latest(root)
+    if latest is None:
+        if step == "auto":
+            return None
+        raise CheckpointError(f"resume.step = 'latest' but {root} has no checkpoint ({root / LATEST} is missing)")
+    target = root / step_name(latest)
+    if not is_complete(target):
+        raise CheckpointError(f"{root / LATEST} names step {latest} but {target} is missing or incomplete")
+    return target
+
+
+def retained(steps: Iterable[int], keep_last: int, keep_interval: int | None) -> set[int]:
+    """The checkpoint steps retention keeps: the keep_last newest and every multiple of keep_interval."""
+    ordered = sorted(steps)
+    keep = set(ordered[-keep_last:])
+    if keep_interval:
+        keep |= {s for s in ordered if s % keep_interval == 0}
+    return keep
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random number generator states."""
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Checkpointer:
+    """Writes this rank's part of each checkpoint; rank 0 commits (rename, `latest`) and applies retention."""
+
+    def __init__(self, run_dir: Path, cfg: CkptConfig, ctx: DistContext, extra_files: dict[str, Path]) -> None:
+        """`extra_files` maps names inside the checkpoint to files or folders rank 0 copies in (config, model/)."""
+        self.root = run_dir / CHECKPOINTS
+        self.cfg = cfg
+        self.ctx = ctx
+        self.extra_files = extra_files
+        # Background writes run their collectives on a group of their own, so they never interleave with the
+        # training step's collectives on the default group.
+        self.group = dist.new_group(backend="gloo") if cfg.async_save else None
+        self._pending: tuple[Future[Any], int] | None = None
+        if ctx.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for leftover in self.root.glob(f"{_TMP_PREFIX}*"):
+                # An interrupted save of an earlier process: never complete, never named by `latest`.
+                shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
+
+    def _barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> float:
+        """Checkpoint after `step` steps; returns the seconds the caller was blocked."""
+        t0 = time.perf_counter()
+        self.wait()
+        tmp = self.root / f"{_TMP_PREFIX}{step_name(step)}"
+        if self.ctx.is_main:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / "rng").mkdir(parents=True)
+            (tmp / TRAINER_STATE).write_text(
+                json.dumps({**state, "step": step, "world_size": self.ctx.world_size}, indent=1) + "\n"
+            )
+            for name, src in self.extra_files.items():
+                if src.is_dir():
+                    shutil.copytree(src, tmp / name)
+                elif src.is_file():
+                    shutil.copy2(src, tmp / name)
+        self._barrier()  # the folder exists before any rank writes into it
+        torch.save(rng_state(), tmp / "rng" / f"rank_{self.ctx.rank}.pt")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        payload = {"model": model_sd, "optim": optim_sd}
+        if self.cfg.async_save:
+            future = dcp.async_save(payload, checkpoint_id=tmp, process_group=self.group)
+            self._pending = (future, step)  # type: ignore[assignment]
+        else:
+            dcp.save(payload, checkpoint_id=tmp)
+            self._commit(step)
+        return time.perf_counter() - t0
+
+    def poll(self) -> None:
+        """Commit a finished background save (cheap; called every step)."""
+        if self._pending is not None and self._pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until a background save is written, then commit it."""
+        if self._pending is None:
+            return
+        future, step = self._pending
+        self._pending = None
+        future.result()
+        self._commit(step)
+
+    def _commit(self, step: int) -> None:
+        # DCP's save returns on rank 0 only after every rank's shards and the metadata are written.
+        if not self.ctx.is_main:
+            return
+        tmp, final = self.root / f"{_TMP_PREFIX}{step_name(step)}", self.root / step_name(step)
+        old = self.root / f"{_OLD_PREFIX}{step_name(step)}"
+        if final.exists():  # a checkpoint of an abandoned continuation of this run (resumed from earlier)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        write_atomic(self.root / LATEST, f"{step}\n")
+        shutil.rmtree(old, ignore_errors=True)
+        self._apply_retention(step)
+
+    def _apply_retention(self, current: int) -> None:
+        steps = [s for s in list_checkpoints(self.root) if s <= current]
+        keep = retained(steps, self.cfg.keep_last, self.cfg.keep_interval)
+        for s in steps:
+            if s not in keep:
+                shutil.rmtree(self.root / step_name(s), ignore_errors=True)
+
+    def close(self) -> None:
+        """Finish a background save (every rank), so no process exits with its shards half-written."""
+        self.wait()
+
+
+def _tensor_shapes(path: Path, prefix: str) -> dict[str, tuple[int, ...]]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    return {
+        key[len(prefix) :]: tuple(meta.size)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+
+
+def check_model_shapes(path: Path, model: nn.Module) -> None:
+    """Raise a CheckpointError listing every parameter that is missing, extra or of another shape."""
+    saved = _tensor_shapes(path, "model.")
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    problems = [f"{n}: missing from the checkpoint" for n in sorted(expected.keys() - saved.keys())]
+    problems += [f"{n}: in the checkpoint but not in the model" for n in sorted(saved.keys() - expected.keys())]
+    problems += [
+        f"{n}: checkpoint shape {list(saved[n])}, model shape {list(expected[n])}"
+        for n in sorted(expected.keys() & saved.keys())
+        if saved[n] != expected[n]
+    ]
+    if problems:
+        shown = problems[:12] + ([f"... and {len(problems) - 12} more"] if len(problems) > 12 else [])
+        raise CheckpointError(f"checkpoint {path} does not fit the configured model:\n  " + "\n  ".join(shown))
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """The trainer state (`trainer.json`) of a checkpoint."""
+    return json.loads((path / TRAINER_STATE).read_text())
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int) -> dict[str, Any]:
+    """Load model (and optimizer, unless None) shards into the live, possibly sharded, objects; returns the
+    trainer state. The optimizer's hyperparameters stay those of the current config: only its state is loaded.
+    RNG states are restored when the checkpoint was written by the same world size."""
+    check_model_shapes(path, model)
+    state = read_trainer_state(path)
+    if optimizer is None:
+        model_sd = get_model_state_dict(model)
+        dcp.load({"model": model_sd}, checkpoint_id=path)
+        set_model_state_dict(model, model_sd)
+    else:
+        hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        payload = {"model": model_sd, "optim": optim_sd}
+        dcp.load(payload, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=payload["model"], optim_state_dict=payload["optim"])
+        for group, saved in zip(optimizer.param_groups, hyper, strict=True):
+            group.update(saved)
+    rng = path / "rng" / f"rank_{rank}.pt"
+    if state.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1) and rng.is_file():
+        set_rng_state(torch.load(rng, weights_only=False))
+    return state
+
+
+def load_model_weights(path: Path, model: nn.Module) -> None:
+    """Load a checkpoint's model weights into a plain (unsharded) module, without a process group."""
+    check_model_shapes(path, model)
+    state = model.state_dict()
+    with warnings.catch_warnings():  # DCP warns that it runs without a process group, which is the point here
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load({"model": state}, checkpoint_id=path, no_dist=True)
