@@ -20,6 +20,7 @@ from lmforge.prep.shakespeare import shakespeare_scenes
 DEMO_CONFIG = Path("examples/pretrain/demo.toml")
 VOCAB_SIZE = 4096
 HOLDOUT = 0.05
+SAMPLE_PROMPT = "ROMEO:\n"
 
 
 def prepare_demo_data(data_dir: Path, console: Console) -> None:
@@ -51,7 +52,8 @@ def prepare_demo_data(data_dir: Path, console: Console) -> None:
 
 
 def demo_main(argv: list[str]) -> int:
-    """Prepare the demo data, then train `examples/pretrain/demo.toml`; extra arguments go to `lmforge train`."""
+    """Prepare the demo data, train `examples/pretrain/demo.toml` (extra arguments go to `lmforge train`), then
+    print a short sample from the trained model."""
     parser = argparse.ArgumentParser(
         prog="lmforge demo",
         description="Pretrain a small Llama on Shakespeare's plays (prepared locally, cached in --data-dir).",
@@ -68,7 +70,16 @@ def demo_main(argv: list[str]) -> int:
     if args.prepare_only:
         return 0
     from lmforge.cli import train_command
+    from lmforge.config import load_train_config
+    from lmforge.sample import sample_main
 
     data = args.data_dir
     overrides = ["--tokenizer.name", str(data / "tokenizer"), "--data.paths", json.dumps([str(data / "train")])]
-    return train_command(["@", str(args.config), *overrides, "--overwrite", *train_args])
+    argv = ["@", str(args.config), *overrides, *(a for a in train_args if a != "--overwrite")]
+    code = train_command([*argv, "--overwrite"])
+    if code != 0 or "--dry-run" in train_args:
+        return code
+    output_dir = load_train_config(argv)[0].output_dir
+    command = f"lmforge sample {output_dir} --prompt {SAMPLE_PROMPT!r}"
+    console.print(f"\n[bold]A sample from the trained model[/] ({command}):", highlight=False)
+    return sample_main([output_dir, "--prompt", SAMPLE_PROMPT, "--max-new-tokens", "80", "--seed", "0"])

@@ -1,0 +1,66 @@
+"""`lmforge sample MODEL_DIR|RUN_DIR|CHECKPOINT --prompt "..."`: stream text from a trained model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+
+def sample_main(argv: list[str]) -> int:
+    """Load a model (HF folder, run directory or checkpoint), then print the prompt and its continuation."""
+    parser = argparse.ArgumentParser(
+        prog="lmforge sample",
+        description="Generate text with a KV cache from an HF model folder, a run directory (its latest "
+        "checkpoint) or a checkpoints/step_N folder, on the CPU or a GPU.",
+    )
+    parser.add_argument("model", type=Path, help="HF model folder, run directory or checkpoint folder")
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
+    parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
+    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold (1 = off)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed: same seed, same text")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda when available)")
+    args = parser.parse_args(argv)
+
+    from lmforge.cli import _err
+    from lmforge.data.tokenizer import TokenizerError
+    from lmforge.hf_folder import load_pretrained
+    from lmforge.model.generate import TextStream, generate
+    from lmforge.model.hf_config import HFModelError
+    from lmforge.train.checkpoint import CheckpointError
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        model, tokenizer = load_pretrained(args.model, device)
+    except (CheckpointError, HFModelError, TokenizerError) as e:
+        _err(str(e))
+        return 2
+    if tokenizer is None:
+        _err(f"{args.model} has no tokenizer files: cannot turn the prompt into tokens")
+        return 2
+    # Encoded as the training data was: the tokenizer's own post-processor decides whether a BOS comes first.
+    ids = tokenizer.tokenizer.encode(args.prompt).ids
+    if not ids:
+        _err("--prompt is empty: give the text to continue")
+        return 2
+    stream = TextStream(tokenizer.tokenizer)
+    sys.stdout.write(args.prompt)
+    tokens = generate(
+        model,
+        ids,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_id=tokenizer.eos_id,
+    )
+    for token in tokens:
+        if token == tokenizer.eos_id:
+            break
+        sys.stdout.write(stream.push(token))
+        sys.stdout.flush()
+    sys.stdout.write(stream.flush() + "\n")
+    return 0

@@ -1,0 +1,25 @@
+"""`lmforge demo` end to end on a shortened run: data preparation, training, and the closing sample."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmforge.train.checkpoint import read_latest
+from tests.integration.runner import run_cli
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).parents[2]
+
+
+def test_demo_prepares_trains_and_samples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)  # the demo reads examples/pretrain/demo.toml relative to the repository
+    out = tmp_path / "run"
+    args = ["demo", "--data-dir", str(tmp_path / "data"), "--max-steps", "3", "--output-dir", str(out)]
+    result = run_cli(args, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_latest(out / "checkpoints") == 3
+    assert "A sample from the trained model" in result.stdout
+    sample = result.stdout.split("A sample from the trained model", 1)[1]
+    assert "ROMEO:" in sample and len(sample.split("ROMEO:", 1)[1].strip()) > 0
