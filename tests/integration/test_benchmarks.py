@@ -46,3 +46,18 @@ def test_data_benchmark_smoke(tmp_path: Path) -> None:
     assert 0.7 * mean_segments < loader["segments_per_window"] < 1.3 * mean_segments
     # the raw sides copied at least as many tokens as the loader produced
     assert min(raw[side]["tokens"] for side in ("uint16", "int64", "windows")) >= loader["tokens"]
+
+
+def test_checkpoint_benchmark_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "checkpoint.json"
+    script = ROOT / "benchmarks" / "checkpoint.py"
+    cmd = [sys.executable, str(script), "--smoke", "--dir", str(tmp_path / "ckpt"), "--json", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    best = json.loads(out.read_text())["best"]
+    assert best["sync"]["total_s"] > 0
+    assert best["sync"]["bytes"] > 0 and best["async"]["bytes"] > 0 and best["load"]["bytes"] > 0
+    # an async save blocks the caller for part of the time the checkpoint takes to commit, never longer
+    assert 0 < best["async"]["blocked_s"] <= best["async"]["total_s"]
+    # the loaded parameters and optimizer state equal those that were saved
+    assert best["load"]["verified"] is True
