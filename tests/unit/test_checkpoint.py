@@ -157,3 +157,20 @@ def test_a_checkpoint_of_another_shape_is_refused_by_name(ctx: DistContext, tmp_
     message = str(info.value)
     assert "model.layers.0.mlp.up_proj.weight: checkpoint shape [128, 64], model shape [96, 64]" in message
     assert "does not fit the configured model" in message
+
+
+def test_resuming_in_the_own_run_dir_keeps_one_curve(ctx: DistContext, tmp_path: Path) -> None:
+    from lmforge.config import ConfigError, load_train_config
+    from lmforge.train.trainer import prepare_output_dir
+    from tests.integration.runner import write_config
+
+    cfg = write_config(tmp_path, "run")
+    run = tmp_path / "run"
+    _save(ctx, run, 2)
+    (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in (1, 2, 3)))
+    step_dir = str(run / "checkpoints" / "step_2")
+    config, _ = load_train_config(["@", str(cfg), "--resume.path", step_dir, "--resume.step", "2"])
+    with pytest.raises(ConfigError, match="cannot be combined"):
+        prepare_output_dir(config, overwrite=True)  # would delete the checkpoint it resumes from
+    assert prepare_output_dir(config, overwrite=False) == run / "checkpoints" / "step_2"
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'

@@ -88,7 +88,7 @@ def prepare_output_dir(config: TrainConfig, overwrite: bool) -> Path | None:
     out = Path(config.output_dir)
     metrics = out / "metrics.jsonl"
     resume = config.resume
-    own = resume.path is None or Path(resume.path).resolve() in (out.resolve(), (out / CHECKPOINTS).resolve())
+    own = resume.path is None or Path(resume.path).resolve().is_relative_to(out.resolve())
     if resume.step is not None and own and overwrite:
         raise ConfigError("--overwrite deletes this run's checkpoints: it cannot be combined with resume.step")
     ckpt = find_checkpoint(Path(resume.path or out), resume.step) if resume.step is not None else None
