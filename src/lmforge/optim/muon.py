@@ -1,0 +1,323 @@
+"""Muon: momentum orthogonalized by Newton–Schulz, for 2-D matrices held whole or sharded by FSDP2.
+
+The update follows `torch.optim.Muon` (same momentum, Nesterov, normalization and learning-rate scaling), so a
+single-process step equals torch's up to float rounding. What this module adds is FSDP2 awareness: Newton–Schulz
+is not elementwise, so running it on a rank's row shard gives a different (wrong) update. Instead each matrix is
+orthogonalized once, whole, by one owner rank, and every rank gets its rows of the result back (see `Muon`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+if dist.is_available():
+    from torch.distributed.tensor import DTensor, Shard
+else:  # a torch built without distributed support can still use the local path
+    DTensor = None  # type: ignore[assignment,misc]
+    Shard = None  # type: ignore[assignment,misc]
+
+__all__ = ["ADJUST_LR", "DEFAULT_NS_COEFFICIENTS", "Muon", "newton_schulz"]
+
+# Keller Jordan's quintic: steepest slope at zero that still keeps singular values in a band around 1 after 5 steps
+DEFAULT_NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+
+ParamsArg = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]]
+
+
+def _spectral_scale(rows: int, cols: int) -> float:
+    # torch's "original": tall matrices get a larger step so the update's spectral norm per input unit matches
+    return math.sqrt(max(1.0, rows / cols))
+
+
+def _match_adamw_rms_scale(rows: int, cols: int) -> float:
+    # torch's "match_rms_adamw" (Moonshot): gives the update about AdamW's RMS, so AdamW's lr and decay carry over
+    return 0.2 * math.sqrt(max(rows, cols))
+
+
+ADJUST_LR: dict[str, Callable[[int, int], float]] = {
+    "spectral": _spectral_scale,
+    "match_adamw_rms": _match_adamw_rms_scale,
+}
+"""Learning-rate multipliers by `adjust_lr` name, as functions of the matrix shape (rows, cols)."""
+
+
+def newton_schulz(
+    g: Tensor,
+    steps: int = 5,
+    coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
+    eps: float = 1e-7,
+) -> Tensor:
+    """Approximately orthogonalize the 2-D matrix `g` (push its singular values towards 1) with a quintic iteration.
+
+    `g` is divided by its Frobenius norm (clamped below at `eps`, as torch does, so a zero matrix maps to zero), which
+    bounds the spectral norm by 1; then `steps` rounds of `X <- a X + (b X X^T + c (X X^T)^2) X` follow. A tall
+    matrix is iterated transposed so the Gram matrix is the smaller square. With the default coefficients the
+    singular values end in a band around 1, not at 1 (about 0.68–1.13 after 5 steps for random matrices), which is
+    the intended trade of accuracy for fewer steps.
+
+    The iteration runs in bfloat16 on CUDA (fast tensor-core matmuls, as torch does) and in float32 elsewhere (CPU
+    bfloat16 matmuls are slow, and float32 keeps results comparable to a float tolerance). The norm is always taken
+    in float32. Returns a new tensor of `g`'s shape and dtype; `g` is not modified.
+    """
+    if g.ndim != 2:
+        raise ValueError(f"newton_schulz needs a 2-D matrix, got shape {tuple(g.shape)}")
+    if len(coefficients) != 3:
+        raise ValueError(f"newton_schulz needs 3 coefficients (a, b, c), got {coefficients!r}")
+    a, b, c = coefficients
+    compute_dtype = torch.bfloat16 if g.is_cuda else torch.float32
+    tall = g.size(0) > g.size(1)
+    x = g.T if tall else g
+    norm = torch.linalg.vector_norm(x, dtype=torch.float32).clamp(min=eps)
+    x = (x / norm).to(compute_dtype)
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return (x.T if tall else x).to(g.dtype)
+
+
+def _local(t: Tensor) -> Tensor:
+    # in-place ops on a DTensor's local view write through to the DTensor's storage
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+
+
+def _shard_group(p: Tensor) -> dist.ProcessGroup | None:
+    """The process group over whose ranks `p`'s rows are split, or None when this rank holds the whole matrix."""
+    if DTensor is None or not isinstance(p, DTensor):
+        return None
+    mesh = p.device_mesh
+    if mesh.size() == 1 or all(pl.is_replicate() for pl in p.placements):
+        return None
+    if mesh.ndim != 1 or p.placements[0] != Shard(0):
+        raise NotImplementedError(
+            f"Muon supports DTensors sharded Shard(0) over a 1-D mesh (FSDP2's default), got placements "
+            f"{p.placements} on a {mesh.ndim}-D mesh for a parameter of shape {tuple(p.shape)}"
+        )
+    return mesh.get_group()
+
+
+def _flat_cat(parts: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+    if not parts:
+        return torch.empty(0, dtype=dtype, device=device)
+    return torch.cat([t.reshape(-1).to(dtype) for t in parts])
+
+
+@dataclass
+class _Matrix:
+    """One parameter's work in a step: its update direction `u` (this rank's rows) before orthogonalization."""
+
+    param: Tensor
+    group: dict[str, Any]
+    u: Tensor
+
+    def orthogonalize(self, full_u: Tensor) -> Tensor:
+        """Newton–Schulz with this parameter's group settings, on the whole matrix."""
+        g = self.group
+        return newton_schulz(full_u, g["ns_steps"], tuple(g["ns_coefficients"]), g["eps"])
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for 2-D matrices (plain tensors or FSDP2 DTensors sharded `Shard(0)`), matching `torch.optim.Muon`.
+
+    Per parameter with a gradient `g`, with momentum `m` and learning rate `lr`:
+
+    - `buf <- m * buf + (1 - m) * g` (state `momentum_buffer`, a tensor like the parameter: for FSDP2 a DTensor
+      holding this rank's rows). This is torch's form; it is `(1 - m)` times the undamped `m * buf + g`, a factor the
+      normalization inside Newton–Schulz removes, so both give the same update.
+    - `u <- (1 - m) * g + m * buf` with Nesterov (again torch's form, `(1 - m)` times `g + m * buf_undamped`), else
+      `u <- buf`.
+    - `O <- newton_schulz(u)` on the whole matrix; `p <- p * (1 - lr * weight_decay)` (decoupled decay, unscaled lr);
+      `p <- p - lr * scale(A, B) * O` with `scale` from `ADJUST_LR` for the parameter's full shape (A, B):
+      `"spectral"` is `sqrt(max(1, A / B))` (torch's `"original"`), `"match_adamw_rms"` is `0.2 * sqrt(max(A, B))`
+      (torch's `"match_rms_adamw"`).
+
+    All constructor arguments are group hyperparameters; a param group may override any of them.
+
+    Sharded parameters: on a mesh of W > 1 ranks, the step's sharded matrices (in param-group order, then parameter
+    order, which every rank shares) are dealt round-robin, matrix i to rank i % W. First one small `all_gather` shares
+    how many rows of each matrix every rank holds (uneven splits, such as FSDP2's `torch.chunk` split that leaves the
+    last ranks fewer or zero rows, are fine) and which have a gradient: matrices without a gradient on every rank are
+    skipped (as torch skips them, e.g. frozen ones), and a gradient on some ranks only raises a RuntimeError on every
+    rank instead of hanging. Then one `all_to_all_single` sends each owner every rank's rows of `u` (one flat buffer
+    for all matrices; exact sizes, no padding); the owner runs Newton–Schulz on the whole matrix, so each matrix is
+    orthogonalized exactly once in the job; a second `all_to_all_single` sends every rank its rows of `O` back, and
+    each rank applies its own rows. The exchange buffers hold about one sharded copy of the matrices per rank.
+    Plain tensors, meshes of one rank and replicated DTensors take the local path, with no collectives. The
+    collectives run on the device of the local shards, which the group's backend must support (so FSDP2's CPU
+    offload under NCCL is not supported). Of sharded layouts only `Shard(0)` over a 1-D mesh is supported; others raise.
+    """
+
+    def __init__(
+        self,
+        params: ParamsArg,
+        lr: float,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        ns_steps: int = 5,
+        ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
+        eps: float = 1e-7,
+        adjust_lr: str = "spectral",
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "weight_decay": weight_decay,
+            "ns_steps": ns_steps,
+            "ns_coefficients": tuple(ns_coefficients),
+            "eps": eps,
+            "adjust_lr": adjust_lr,
+        }
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group as torch does, then check its hyperparameters and that every parameter is a 2-D matrix."""
+        super().add_param_group(param_group)
+        try:
+            _check_group(self.param_groups[-1])
+        except ValueError:
+            # leave the optimizer as it was before the call
+            self.param_groups.pop()
+            raise
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Take one Muon step on every parameter with a gradient; returns `closure()`'s loss when given one."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        sharded: dict[dist.ProcessGroup, list[tuple[Tensor, dict[str, Any]]]] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                pg = _shard_group(p)
+                if pg is not None:
+                    # every sharded param is listed, grad or not, so that all ranks agree on the matrix order
+                    sharded.setdefault(pg, []).append((p, group))
+                elif p.grad is not None:
+                    work = _Matrix(p, group, self._momentum_direction(p, group))
+                    _apply_update(work, work.orthogonalize(work.u))
+        for pg, params in sharded.items():
+            self._step_sharded(pg, params)
+        return loss
+
+    def _momentum_direction(self, p: Tensor, group: dict[str, Any]) -> Tensor:
+        """Update the momentum buffer and return the direction `u` to orthogonalize, both as this rank's rows."""
+        if p.grad.is_sparse or torch.is_complex(p):
+            raise RuntimeError(f"Muon supports dense real gradients only (parameter of shape {tuple(p.shape)})")
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        buf = _local(state["momentum_buffer"])
+        grad = _local(p.grad)
+        momentum = group["momentum"]
+        buf.lerp_(grad, 1 - momentum)
+        return grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+    def _step_sharded(self, pg: dist.ProcessGroup, params: list[tuple[Tensor, dict[str, Any]]]) -> None:
+        """Step the matrices sharded over `pg`: each is orthogonalized whole by its owner and its rows sent back."""
+        world = dist.get_world_size(pg)
+        rank = dist.get_rank(pg)
+        device = _local(params[0][0]).device
+
+        # one small all_gather tells every rank which params have a gradient on every rank and how many rows each
+        # rank holds (-1: no gradient), so all ranks take the same decisions and size the exchanges alike
+        mine_rows = [_local(p).shape[0] if p.grad is not None else -1 for p, _ in params]
+        table = [torch.empty(len(params), dtype=torch.int64, device=device) for _ in range(world)]
+        dist.all_gather(table, torch.tensor(mine_rows, dtype=torch.int64, device=device), group=pg)
+        rows_by_rank = [t.tolist() for t in table]  # [rank][param]
+        keep = []
+        for j, (p, _) in enumerate(params):
+            held = [rows_by_rank[r][j] for r in range(world)]
+            if all(n < 0 for n in held):
+                continue
+            if any(n < 0 for n in held):
+                raise RuntimeError(f"Muon: a {tuple(p.shape)} parameter has a gradient on some ranks only")
+            if sum(held) != p.shape[0]:
+                raise RuntimeError(f"Muon: the ranks hold {held} rows of a {tuple(p.shape)} parameter")
+            keep.append(j)
+        if not keep:
+            return
+        work = [_Matrix(params[j][0], params[j][1], self._momentum_direction(*params[j])) for j in keep]
+        rows = [[rows_by_rank[r][j] for j in keep] for r in range(world)]  # [rank][matrix]
+        cols = [w.param.shape[1] for w in work]
+        dtype = work[0].u.dtype
+        for w in work:
+            dtype = torch.promote_types(dtype, w.u.dtype)
+
+        n = len(work)
+        owned_by = [[i for i in range(n) if i % world == r] for r in range(world)]
+        mine = owned_by[rank]
+
+        # exchange 1: each rank sends its rows of u to each matrix's owner; sizes are known everywhere from the row
+        # table, so all_to_all_single needs no padding
+        send_splits = [sum(rows[rank][i] * cols[i] for i in owned_by[d]) for d in range(world)]
+        recv_splits = [sum(rows[s][i] * cols[i] for i in mine) for s in range(world)]
+        send = _flat_cat([work[i].u for d in range(world) for i in owned_by[d]], dtype, device)
+        for w in work:
+            w.u = None  # type: ignore[assignment]  # the send buffer holds it now; frees nesterov's temporary
+        recv = send.new_empty(sum(recv_splits))
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=pg)
+        del send
+
+        pieces: dict[int, list[Tensor]] = {i: [] for i in mine}
+        for s, from_s in enumerate(recv.split(recv_splits)):
+            for i, flat in zip(mine, from_s.split([rows[s][i] * cols[i] for i in mine]), strict=True):
+                pieces[i].append(flat.view(rows[s][i], cols[i]))
+        ortho = {i: work[i].orthogonalize(torch.cat(pieces[i])).to(dtype) for i in mine}
+        del pieces, recv
+
+        # exchange 2: the owner sends each rank its rows of the orthogonalized matrix
+        first_row = [[sum(rows[r][i] for r in range(d)) for i in range(n)] for d in range(world)]
+        back = _flat_cat(
+            [ortho[i].narrow(0, first_row[d][i], rows[d][i]) for d in range(world) for i in mine], dtype, device
+        )
+        del ortho
+        received = back.new_empty(sum(send_splits))
+        dist.all_to_all_single(received, back, send_splits, recv_splits, group=pg)
+        del back
+
+        for d, from_d in enumerate(received.split(send_splits)):
+            for i, flat in zip(owned_by[d], from_d.split([rows[rank][i] * cols[i] for i in owned_by[d]]), strict=True):
+                _apply_update(work[i], flat.view(rows[rank][i], cols[i]))
+
+
+def _apply_update(work: _Matrix, ortho_rows: Tensor) -> None:
+    """Decoupled weight decay, then the scaled orthogonalized step, on this rank's rows of the parameter."""
+    group = work.group
+    lr = float(group["lr"])
+    rows, cols = work.param.shape
+    p = _local(work.param)
+    if group["weight_decay"]:
+        p.mul_(1 - lr * group["weight_decay"])
+    p.add_(ortho_rows, alpha=-lr * ADJUST_LR[group["adjust_lr"]](rows, cols))
+
+
+def _check_group(group: dict[str, Any]) -> None:
+    """Reject hyperparameters Muon cannot use and parameters that are not 2-D matrices."""
+    for p in group["params"]:
+        if p.ndim != 2:
+            raise ValueError(f"Muon only optimizes 2-D matrices, got a parameter of shape {tuple(p.shape)}")
+    if not float(group["lr"]) >= 0:
+        raise ValueError(f"Muon: lr must be >= 0, got {group['lr']}")
+    if not 0 <= group["momentum"] < 1:
+        raise ValueError(f"Muon: momentum must be in [0, 1), got {group['momentum']}")
+    if not group["weight_decay"] >= 0:
+        raise ValueError(f"Muon: weight_decay must be >= 0, got {group['weight_decay']}")
+    if not (isinstance(group["ns_steps"], int) and group["ns_steps"] >= 0):
+        raise ValueError(f"Muon: ns_steps must be an int >= 0, got {group['ns_steps']!r}")
+    if len(group["ns_coefficients"]) != 3:
+        raise ValueError(f"Muon: ns_coefficients must be 3 floats (a, b, c), got {group['ns_coefficients']!r}")
+    if not group["eps"] > 0:
+        raise ValueError(f"Muon: eps must be > 0, got {group['eps']}")
+    if group["adjust_lr"] not in ADJUST_LR:
+        raise ValueError(f"Muon: adjust_lr must be one of {sorted(ADJUST_LR)}, got {group['adjust_lr']!r}")
