@@ -120,12 +120,13 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int
     optimizer.zero_grad(set_to_none=True)
 
 
-def same_state(model: nn.Module, optimizer: torch.optim.Optimizer, ref_model: nn.Module, ref_optim: Any) -> bool:
+def same_state(model: nn.Module, optimizer: Any, ref_model: nn.Module, ref_optim: Any) -> bool:
     """Whether the parameters and optimizer state of one model/optimizer pair equal those of another, exactly."""
     params, ref_params = model.state_dict(), ref_model.state_dict()
     if params.keys() != ref_params.keys() or not all(torch.equal(params[k], ref_params[k]) for k in params):
         return False
-    state, ref_state = optimizer.state_dict()["state"], ref_optim.state_dict()["state"]
+    (adamw,), (ref_adamw,) = optimizer.optimizers, ref_optim.optimizers  # AdamWConfig: one torch optimizer
+    state, ref_state = adamw.state_dict()["state"], ref_adamw.state_dict()["state"]
     if state.keys() != ref_state.keys() or not ref_state:
         return False
     for idx, entry in state.items():

@@ -104,3 +104,39 @@ def test_sample_streams_the_same_text_from_the_run_and_its_export(run: Path, tmp
     seeded = [run_cli(["sample", str(run), "--prompt", "w1", "--max-new-tokens", "12", "--seed", "5"]).stdout
               for _ in range(2)]  # fmt: skip
     assert seeded[0] == seeded[1] and seeded[0].startswith("w1")
+
+
+def test_random_init_takes_only_the_architecture(run: Path, tmp_path: Path) -> None:
+    from lmforge.model import build_model
+    from lmforge.model.init import init_weights
+
+    source = tmp_path / "hf"
+    _export(run, source)
+    cfg = write_config(tmp_path, "smoke", max_steps=1)
+    flags = ["--model.name", str(source), "--model.debug.random-init", "--optim.lr", "1e-30", "--model.init.seed", "4"]
+    result = run_cli(["train", "@", str(cfg), *flags])
+    assert result.returncode == 0, result.stderr[-3000:]
+    model, _ = load_pretrained(tmp_path / "smoke")
+    fresh = build_model(model.arch, model.vocab_size, "sdpa", torch.device("cpu"))
+    init_weights(fresh, 0.02, seed=4)
+    loaded = load_file(source / "model.safetensors")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, fresh.state_dict()[name]), name
+    assert not torch.equal(model.state_dict()["lm_head.weight"], loaded["lm_head.weight"])
+
+
+def test_completep_model_exports_as_a_plain_llama(run: Path, tmp_path: Path) -> None:
+    """The CompleteP multipliers live in the weights: transformers computes the same logits without them."""
+    cfg = write_config(tmp_path, "cp", max_steps=3)
+    flags = ["--model.init.scheme", "completep", "--model.init.base-hidden-size", "32", "--model.init.base-num-layers",
+             "1", "--tokenizer.name", str(run.parent / "tokenizer")]  # fmt: skip
+    result = run_cli(["train", "@", str(cfg), *flags])
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "hf"
+    _export(tmp_path / "cp", out)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours, _ = load_pretrained(tmp_path / "cp")
+    ids = torch.randint(0, 200, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ours(ids, torch.arange(40)[None], torch.tensor([40], dtype=torch.int32))
+        assert (expected - hf(input_ids=ids).logits).abs().max().item() <= 1e-4

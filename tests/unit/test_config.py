@@ -81,9 +81,10 @@ def test_parse_value_reads_toml_scalars_and_lists() -> None:
     assert parse_value("runs/x") == "runs/x"
 
 
-def test_optimizer_type_defaults_to_adamw(base: Path) -> None:
+def test_optimizer_type_defaults_to_muon_for_pretraining(base: Path) -> None:
     config, _ = load_train_config(["@", str(base)])
-    assert config.optim.type == "adamw"
+    assert config.optim.type == "muon"
+    assert load_train_config(["@", str(base), "--optim.type", "adamw"])[0].optim.type == "adamw"
 
 
 def test_unknown_field_names_file_and_field(base: Path, tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from lmforge.config.ckpt import CkptConfig, ResumeConfig
 from lmforge.config.data import DataConfig, FakeDataConfig, TokensDataConfig
 from lmforge.config.loader import ConfigError, RawConfig, compose, dump_toml, validate
 from lmforge.config.model import ACConfig, InitConfig, ModelConfig
-from lmforge.config.optim import AdamWConfig, OptimConfig, ScheduleConfig
+from lmforge.config.optim import AdamWConfig, MuonConfig, OptimConfig, ScheduleConfig
 from lmforge.config.train import LogConfig, TokenizerConfig, TrainConfig
 from lmforge.model.config import ArchConfig
 
@@ -23,6 +23,7 @@ __all__ = [
     "InitConfig",
     "LogConfig",
     "ModelConfig",
+    "MuonConfig",
     "OptimConfig",
     "RawConfig",
     "ResumeConfig",

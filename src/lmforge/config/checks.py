@@ -30,6 +30,13 @@ def config_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
                 f"{data.seq_len} exceeds model.arch.max_position_embeddings ({arch.max_position_embeddings})",
             )
         )
+    if config.model.init.scheme == "completep" and arch.tie_word_embeddings:
+        problems.append(
+            (
+                "model.init.scheme",
+                "completep scales the embedding and the LM head differently: it needs tie_word_embeddings = false",
+            )
+        )
     if data.type == "tokens" and config.tokenizer.name is None:
         problems.append(("tokenizer.name", "required with data.type = 'tokens' (the shards' tokenizer)"))
     return problems

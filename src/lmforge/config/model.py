@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from lmforge.config.base import Section
 from lmforge.model.config import ArchConfig
@@ -17,7 +17,36 @@ class InitConfig(Section):
     """Standard deviation of the normal init of every weight matrix and embedding."""
 
     seed: int = 0
-    """Seed of the init; values depend only on it and the parameter names, not on the world size."""
+    """Seed of the init; values depend only on it, the parameter names and row blocks, not on the world size."""
+
+    truncate: bool = False
+    """Draw from the normal truncated at 3 standard deviations (redrawn tails) instead of the plain normal."""
+
+    scheme: Literal["normal", "completep"] = "normal"
+    """`normal`: every matrix from N(0, std). `completep`: CompleteP (alpha = 1) relative to the base shape below:
+    init, learning rate, weight decay and Adam eps scaled per parameter role (see docs/model.md)."""
+
+    base_hidden_size: int | None = Field(default=None, gt=0)
+    """CompleteP base width: the hidden_size the hyperparameters were tuned at (width multiplier = hidden_size /
+    base_hidden_size). Required with scheme = "completep"."""
+
+    base_num_layers: int | None = Field(default=None, gt=0)
+    """CompleteP base depth: the num_hidden_layers the hyperparameters were tuned at (depth multiplier =
+    num_hidden_layers / base_num_layers). Required with scheme = "completep"."""
+
+    @model_validator(mode="after")
+    def _base_shape(self) -> InitConfig:
+        if self.scheme == "completep" and (self.base_hidden_size is None or self.base_num_layers is None):
+            raise ValueError("scheme = 'completep' needs base_hidden_size and base_num_layers")
+        return self
+
+
+class DebugConfig(Section):
+    """`[model.debug]`: switches for smoke runs."""
+
+    random_init: bool = False
+    """With model.name: take only the architecture from the folder and initialize the weights from scratch
+    (`[model.init]`) instead of loading them; a quick way to smoke-test an SFT config."""
 
 
 class ACConfig(Section):
@@ -56,6 +85,9 @@ class ModelConfig(Section):
 
     ac: ACConfig = ACConfig()
     """Activation checkpointing."""
+
+    debug: DebugConfig = DebugConfig()
+    """Switches for smoke runs."""
 
     defer_grad_sync: bool = False
     """Reduce-scatter gradients once per optimizer step instead of after every micro-batch: less communication,

@@ -9,11 +9,8 @@ from pydantic import Discriminator, Field, Tag, model_validator
 from lmforge.config.base import Section
 
 
-class AdamWConfig(Section):
-    """`optim.type = "adamw"`: decoupled weight decay Adam (fused on CUDA)."""
-
-    type: Literal["adamw"] = "adamw"
-    """Optimizer: AdamW."""
+class _OptimFields(Section):
+    """Fields every optimizer has (AdamW's settings apply to Muon's AdamW groups too)."""
 
     lr: float = Field(gt=0)
     """Peak learning rate (the schedule multiplies it)."""
@@ -22,26 +19,65 @@ class AdamWConfig(Section):
     """Decoupled weight decay of weight matrices and embeddings; norms and biases are never decayed."""
 
     beta1: float = Field(default=0.9, ge=0, lt=1)
-    """First-moment decay."""
+    """AdamW's first-moment decay."""
 
     beta2: float = Field(default=0.95, ge=0, lt=1)
-    """Second-moment decay."""
+    """AdamW's second-moment decay."""
 
     eps: float = Field(default=1e-8, gt=0)
-    """Denominator epsilon."""
+    """AdamW's denominator epsilon."""
 
     max_norm: float = Field(default=1.0, ge=0)
     """Clip the global gradient norm to this value; 0 turns clipping off (the norm is still logged)."""
 
 
+class AdamWConfig(_OptimFields):
+    """`optim.type = "adamw"`: decoupled weight decay Adam (fused on CUDA) for every parameter."""
+
+    type: Literal["adamw"] = "adamw"
+    """Optimizer: AdamW."""
+
+
+class MuonConfig(_OptimFields):
+    """`optim.type = "muon"`: Muon for the 2-D matrices inside the blocks, AdamW for everything else (embeddings,
+    LM head, norms, biases, and any parameter `adamw_params` names)."""
+
+    type: Literal["muon"] = "muon"
+    """Optimizer: Muon with AdamW groups."""
+
+    adamw_lr: float | None = Field(default=None, gt=0)
+    """Peak learning rate of the AdamW groups; unset: `lr` (right with adjust_lr = "match_adamw_rms")."""
+
+    momentum: float = Field(default=0.95, ge=0, lt=1)
+    """Muon's momentum."""
+
+    nesterov: bool = True
+    """Nesterov momentum: orthogonalize grad + momentum x buffer instead of the buffer."""
+
+    ns_steps: int = Field(default=5, ge=1)
+    """Newton–Schulz iterations of the orthogonalization."""
+
+    ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+    """Coefficients (a, b, c) of the quintic Newton–Schulz iteration."""
+
+    adjust_lr: Literal["spectral", "match_adamw_rms"] = "match_adamw_rms"
+    """Per-shape learning-rate factor of an (A, B) matrix: `spectral` = sqrt(max(1, A / B)); `match_adamw_rms` =
+    0.2 sqrt(max(A, B)), which gives updates of AdamW's typical RMS so the AdamW learning rate carries over."""
+
+    adamw_params: list[str] = Field(default_factory=list)
+    """Glob patterns of parameter names (e.g. `*.self_attn.q_proj.weight`) that AdamW trains instead of Muon."""
+
+
 def _optim_tag(value: Any) -> str:
     if isinstance(value, dict):
-        return value.get("type", "adamw")
-    return getattr(value, "type", "adamw")
+        return value.get("type", "muon")
+    return getattr(value, "type", "muon")
 
 
-OptimConfig = Annotated[Annotated[AdamWConfig, Tag("adamw")], Discriminator(_optim_tag)]
-"""Any optimizer, chosen by its `type` field (default adamw)."""
+OptimConfig = Annotated[
+    Annotated[AdamWConfig, Tag("adamw")] | Annotated[MuonConfig, Tag("muon")], Discriminator(_optim_tag)
+]
+"""Any optimizer, chosen by its `type` field (default: muon, or adamw when training starts from `model.name`)."""
 
 
 class ScheduleConfig(Section):

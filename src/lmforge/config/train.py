@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Any
+
+from pydantic import Field, model_validator
 
 from lmforge.config.base import Section
 from lmforge.config.ckpt import CkptConfig, ResumeConfig
@@ -58,3 +60,14 @@ class TrainConfig(Section):
 
     resume: ResumeConfig = ResumeConfig()
     """Where the run continues from."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_optimizer(cls, data: Any) -> Any:
+        # Muon is the pretraining default; a run that fine-tunes loaded weights keeps AdamW, which trained them.
+        if isinstance(data, dict) and isinstance(data.get("optim"), dict) and "type" not in data["optim"]:
+            model = data.get("model") if isinstance(data.get("model"), dict) else {}
+            debug = model.get("debug") if isinstance(model.get("debug"), dict) else {}
+            if model.get("name") and not debug.get("random_init"):
+                data = {**data, "optim": {**data["optim"], "type": "adamw"}}
+        return data

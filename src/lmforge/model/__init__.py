@@ -11,10 +11,19 @@ from lmforge.model.llama import CausalLM
 __all__ = ["ArchConfig", "CausalLM", "LlamaArch", "Qwen3Arch", "build_model"]
 
 
-def build_model(arch: LlamaArch | Qwen3Arch, vocab_size: int, attn: str, device: torch.device) -> CausalLM:
-    """Build the model of `arch` on the CPU with default (unset) values; `attn` may be `auto`.
+def build_model(
+    arch: LlamaArch | Qwen3Arch, vocab_size: int, attn: str, device: torch.device, *, meta: bool = False
+) -> CausalLM:
+    """Build the model of `arch` for `device` (which picks the attention backend when `attn` is `auto`).
 
-    The model is created on the CPU in fp32: the trainer initializes it and FSDP moves each shard to `device`.
+    Parameters are fp32 and uninitialized: `init_weights`, a checkpoint or an HF folder fills them. With `meta`
+    they have no storage yet (the trainer shards the model first, then allocates each rank's shards); otherwise
+    they are allocated on the CPU.
     """
     backend = resolve_backend(attn, device)
-    return CausalLM(arch, vocab_size, backend)
+    with torch.device("meta"):
+        model = CausalLM(arch, vocab_size, backend)
+    if not meta:
+        model.to_empty(device="cpu")
+        model.tie_weights()
+    return model

@@ -1,24 +1,35 @@
-"""From-scratch weight init whose values depend only on the seed and the parameter names.
+"""From-scratch weight init whose values depend only on the seed, the parameter names and row blocks.
 
-Each parameter draws from its own generator, seeded from (seed, canonical parameter name), so the values do
-not depend on the order of construction, the world size or how parameters are later sharded.
+Each parameter is cut into blocks of `ROWS_PER_BLOCK` rows (dim 0); every block draws from its own generator,
+seeded from (seed, canonical parameter name, block index). A rank holding an FSDP2 shard (a range of rows) draws
+only the blocks that overlap its rows, so no rank materializes a full parameter, and the values are the same on
+any world size and under any sharding.
 """
 
 from __future__ import annotations
 
-import zlib
+import hashlib
+import math
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Shard
+
+ROWS_PER_BLOCK = 64
+"""Rows drawn from one generator: small enough that a shard boundary wastes little, large enough to be fast."""
 
 
-def parameter_seed(seed: int, name: str) -> int:
-    """The generator seed of one parameter: a stable hash of (seed, canonical name)."""
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+def block_seed(seed: int, name: str, block: int) -> int:
+    """The generator seed of one row block of one parameter (stable across runs, machines and Python versions)."""
+    digest = hashlib.blake2b(f"{seed}|{name}|{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
-def init_role(name: str, param: torch.Tensor) -> str:
-    """How a parameter is initialized: `normal` (matrices, embeddings), `one` (norm scales) or `zero` (biases)."""
+def init_role(name: str, param: Tensor, rules: dict[str, str] | None = None) -> str:
+    """How a parameter is initialized: `normal` (matrices, embeddings), `one` (norm scales) or `zero` (biases);
+    `rules` (name -> one/zero) declares the 1-D parameters of modules that are neither."""
+    if rules and name in rules:
+        return rules[name]
     if name.endswith(".bias"):
         return "zero"
     if param.ndim >= 2:
@@ -31,16 +42,76 @@ def init_role(name: str, param: torch.Tensor) -> str:
     )
 
 
+def declared_init_rules(model: nn.Module) -> dict[str, str]:
+    """Init rules that modules declare for their own 1-D parameters: a module's `init_rules` maps a local
+    parameter name to `one` or `zero`."""
+    rules: dict[str, str] = {}
+    for prefix, module in model.named_modules():
+        for local, rule in getattr(module, "init_rules", {}).items():
+            rules[f"{prefix}.{local}" if prefix else local] = rule
+    return rules
+
+
+def local_rows(param: Tensor) -> tuple[Tensor, int]:
+    """This rank's part of a parameter and the global index of its first row (FSDP2 shards rows like
+    `torch.chunk`); the whole tensor and 0 for a plain tensor."""
+    if not isinstance(param, DTensor):
+        return param.data, 0
+    local = param.to_local()
+    start = 0
+    for dim, placement in zip(range(param.device_mesh.ndim), param.placements, strict=True):
+        if isinstance(placement, Shard):
+            if placement.dim != 0:
+                raise ValueError(f"init supports parameters sharded along dim 0, got {placement}")
+            size = param.device_mesh.size(dim)
+            rank = param.device_mesh.get_local_rank(dim)
+            chunk = math.ceil(param.shape[0] / size)
+            start += min(rank * chunk, param.shape[0])
+    return local, start
+
+
+def _draw(shape: tuple[int, ...], std: float, truncate: bool, gen: torch.Generator) -> Tensor:
+    values = torch.empty(shape, dtype=torch.float32)
+    if truncate:
+        return nn.init.trunc_normal_(values, 0.0, std, -3 * std, 3 * std, generator=gen)
+    return values.normal_(0.0, std, generator=gen)
+
+
+def normal_rows(name: str, shape: tuple[int, ...], start: int, count: int, std: float, seed: int,
+                truncate: bool = False) -> Tensor:  # fmt: skip
+    """Rows [start, start + count) of the parameter `name` of full `shape`, drawn block by block."""
+    if count == 0:
+        return torch.empty((0, *shape[1:]))
+    rest, rows = shape[1:], shape[0]
+    first, last = start // ROWS_PER_BLOCK, (start + count - 1) // ROWS_PER_BLOCK
+    parts = []
+    for block in range(first, last + 1):
+        lo, hi = block * ROWS_PER_BLOCK, min((block + 1) * ROWS_PER_BLOCK, rows)
+        gen = torch.Generator(device="cpu").manual_seed(block_seed(seed, name, block))
+        values = _draw((hi - lo, *rest), std, truncate, gen)
+        parts.append(values[max(start, lo) - lo : min(start + count, hi) - lo])
+    return torch.cat(parts)
+
+
 @torch.no_grad()
-def init_weights(model: nn.Module, std: float, seed: int) -> None:
-    """Initialize every parameter of an unsharded model: N(0, std) for matrices, 1 for norms, 0 for biases."""
+def init_weights(
+    model: nn.Module,
+    std: float,
+    seed: int,
+    truncate: bool = False,
+    std_scales: dict[str, float] | None = None,
+) -> None:
+    """Initialize every parameter, plain or FSDP2-sharded, in place: N(0, std x std_scale(name)) for matrices and
+    embeddings (truncated at 3 std if asked; `std_scales` multiplies a parameter's std, e.g. for CompleteP), 1 for
+    norm scales, 0 for biases; only this rank's rows are drawn."""
+    rules = declared_init_rules(model)
     for name, param in model.named_parameters():
-        role = init_role(name, param)
+        role = init_role(name, param, rules)
+        local, start = local_rows(param)
         if role == "one":
-            param.fill_(1.0)
+            local.fill_(1.0)
         elif role == "zero":
-            param.zero_()
+            local.zero_()
         else:
-            gen = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name))
-            values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
-            param.copy_(values)
+            scale = std_scales.get(name, 1.0) if std_scales is not None else 1.0
+            local.copy_(normal_rows(name, tuple(param.shape), start, local.shape[0], std * scale, seed, truncate))

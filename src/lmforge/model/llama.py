@@ -155,7 +155,12 @@ class CausalLM(nn.Module):
         self.attn_backend = attn_backend
         self.model = DecoderModel(arch, vocab_size, get_attention(attn_backend))
         self.lm_head = nn.Linear(arch.hidden_size, vocab_size, bias=False)
-        if arch.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make the LM head use the embedding matrix when the architecture ties them (again after `to_empty`,
+        which gives every module a parameter of its own)."""
+        if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property

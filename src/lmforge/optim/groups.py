@@ -1,27 +1,12 @@
-"""Parameter roles, which decide optimizer groups, weight decay and per-group metrics."""
+"""Parameters grouped by role (see `lmforge.model.roles`): the optimizer's groups and the per-group metrics."""
 
 from __future__ import annotations
 
 from torch import nn
 
-ROLES = ("hidden", "embed", "head", "norm", "bias")
-"""hidden: 2-D matrices inside the blocks; embed: token embedding; head: LM head; norm: norm scales; bias: biases."""
+from lmforge.model.roles import DECAYED_ROLES, MATRIX_ROLES, ROLES, param_role
 
-DECAYED_ROLES = frozenset({"hidden", "embed", "head"})
-"""Roles that take weight decay."""
-
-
-def param_role(name: str, ndim: int) -> str:
-    """The role of a parameter from its canonical (HF) name and rank."""
-    if name.endswith(".bias"):
-        return "bias"
-    if "embed_tokens" in name:
-        return "embed"
-    if name.startswith("lm_head"):
-        return "head"
-    if ndim >= 2:
-        return "hidden"
-    return "norm"
+__all__ = ["DECAYED_ROLES", "MATRIX_ROLES", "ROLES", "param_role", "params_by_role"]
 
 
 def params_by_role(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:

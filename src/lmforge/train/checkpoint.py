@@ -153,6 +153,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def optimizers_of(optimizer: Any) -> tuple[torch.optim.Optimizer, ...]:
+    """The torch optimizers behind the trainer's optimizer (an `Optimizers` set, or a single one)."""
+    return tuple(getattr(optimizer, "optimizers", (optimizer,)))
+
+
 class Checkpointer:
     """Writes this rank's part of each checkpoint; rank 0 commits (rename, `latest`) and applies retention."""
 
@@ -175,7 +180,7 @@ class Checkpointer:
     def _barrier(self) -> None:
         dist.barrier(group=self.group)
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> float:
+    def save(self, step: int, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> float:
         """Checkpoint after `step` steps; returns the seconds the caller was blocked."""
         t0 = time.perf_counter()
         self.wait()
@@ -194,7 +199,7 @@ class Checkpointer:
                     shutil.copy2(src, tmp / name)
         self._barrier()  # the folder exists before any rank writes into it
         torch.save(rng_state(), tmp / "rng" / f"rank_{self.ctx.rank}.pt")
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizers_of(optimizer))
         payload = {"model": model_sd, "optim": optim_sd}
         if self.cfg.async_save:
             future = dcp.async_save(payload, checkpoint_id=tmp, process_group=self.group)
@@ -275,7 +280,7 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     return json.loads((path / TRAINER_STATE).read_text())
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int) -> dict[str, Any]:
+def load_checkpoint(path: Path, model: nn.Module, optimizer: Any, rank: int) -> dict[str, Any]:
     """Load model (and optimizer, unless None) shards into the live, possibly sharded, objects; returns the
     trainer state. The optimizer's hyperparameters stay those of the current config: only its state is loaded.
     RNG states are restored when the checkpoint was written by the same world size."""
@@ -287,10 +292,12 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         set_model_state_dict(model, model_sd)
     else:
         hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizers_of(optimizer))
         payload = {"model": model_sd, "optim": optim_sd}
         dcp.load(payload, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=payload["model"], optim_state_dict=payload["optim"])
+        set_state_dict(
+            model, optimizers_of(optimizer), model_state_dict=payload["model"], optim_state_dict=payload["optim"]
+        )
         for group, saved in zip(optimizer.param_groups, hyper, strict=True):
             group.update(saved)
     rng = path / "rng" / f"rank_{rank}.pt"

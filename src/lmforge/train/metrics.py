@@ -13,12 +13,18 @@ from torch import Tensor
 
 def reduce_step_stats(sums: dict[str, Tensor], maxes: dict[str, Tensor]) -> tuple[dict[str, float], dict[str, float]]:
     """All-reduce device scalars (one SUM, one MAX collective) and read them on the host once."""
-    device = next(iter(sums.values())).device
-    sum_vec = torch.stack([v.to(device=device, dtype=torch.float64) for v in sums.values()])
-    max_vec = torch.stack([v.to(device=device, dtype=torch.float64) for v in maxes.values()])
+    device = next(iter({**sums, **maxes}.values())).device
+
+    def stack(values: dict[str, Tensor]) -> Tensor:
+        return torch.stack([v.to(device=device, dtype=torch.float64) for v in values.values()]) if values else (
+            torch.zeros(0, device=device, dtype=torch.float64))  # fmt: skip
+
+    sum_vec, max_vec = stack(sums), stack(maxes)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(sum_vec, op=dist.ReduceOp.SUM)
-        dist.all_reduce(max_vec, op=dist.ReduceOp.MAX)
+        if sums:
+            dist.all_reduce(sum_vec, op=dist.ReduceOp.SUM)
+        if maxes:
+            dist.all_reduce(max_vec, op=dist.ReduceOp.MAX)
     host = torch.cat([sum_vec, max_vec]).tolist()
     n = len(sums)
     return dict(zip(sums, host[:n], strict=True)), dict(zip(maxes, host[n:], strict=True))

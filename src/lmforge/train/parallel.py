@@ -94,6 +94,7 @@ def apply_activation_checkpointing(blocks: list[nn.Module], freq: int) -> None:
 
 def parallelize(model: nn.Module, blocks: list[nn.Module], cfg: ModelConfig, ctx: DistContext) -> nn.Module:
     """Checkpoint, compile and shard (per block, then the root) a freshly built model, on the rank's device.
+    A model built on the meta device gets storage for this rank's shards only, uninitialized.
 
     A single process training in fp32 is not wrapped: FSDP over one rank would only copy parameters and gradients
     (5-10% of a CPU step, docs/benchmarks.md) and computes bit-identical results. With bf16 parameters FSDP's
@@ -105,14 +106,23 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], cfg: ModelConfig, ctx
         for block in blocks:
             block.compile()
     param_dtype = resolve_param_dtype(cfg.param_dtype, ctx.device)
+    on_meta = any(p.is_meta for p in model.parameters())
     if ctx.world_size == 1 and param_dtype == torch.float32:
-        return model.to(ctx.device)
+        if not on_meta:
+            return model.to(ctx.device)
+        model.to_empty(device=ctx.device)
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()  # to_empty gives tied modules separate parameters
+        return model
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in blocks:
         fully_shard(block, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=True)
     # The root (embeddings, final norm, LM head) is used last in forward and first in backward: keep it unsharded.
     fully_shard(model, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=False)
     assert isinstance(model, FSDPModule)
+    if on_meta:
+        # Each rank allocates only its own shards; the caller fills them (init, checkpoint or HF weights).
+        model.to_empty(device=ctx.device)
     # Each micro-batch's loss is already divided by the step's global loss-token count, so gradients are summed
     # over ranks, not averaged (a plain sum: gloo has no PREMUL_SUM).
     for module in model.modules():

@@ -21,9 +21,11 @@ from lmforge.data.batch import MicroBatch
 from lmforge.data.prefetch import Prefetcher
 from lmforge.data.tokens import TokenData
 from lmforge.model import build_model
+from lmforge.model.completep import role_scales
 from lmforge.model.init import init_weights
+from lmforge.model.roles import param_role
 from lmforge.monitor import ConsoleMonitor, JsonlMonitor, Monitors
-from lmforge.optim import build_optimizer, set_lr_multiplier, wsd_multiplier
+from lmforge.optim import build_optimizer, clip_gradients, group_grad_squares, set_lr_multiplier, wsd_multiplier
 from lmforge.train.checkpoint import (
     CHECKPOINTS,
     MODEL_FILES,
@@ -136,15 +138,19 @@ class Trainer:
         vocab = model_vocab_size(config, self.tokenizer)
         arch = config.model.arch
         assert arch is not None, "model.arch is filled in from model.name when the config is loaded"
-        model = build_model(arch, vocab, config.model.attn, ctx.device)
-        if resume_from is None and config.model.name is None:
-            init_weights(model, config.model.init.std, config.model.init.seed)
+        model = build_model(arch, vocab, config.model.attn, ctx.device, meta=True)
         self.model = parallelize(model, model.blocks, config.model, ctx)
-        if resume_from is None and config.model.name is not None:
-            from lmforge.model.hf_weights import load_hf_weights
+        init = config.model.init
+        scale = role_scales(arch, init.scheme, init.base_hidden_size, init.base_num_layers)
+        if resume_from is None:
+            if config.model.name is None or config.model.debug.random_init:
+                stds = {n: scale(param_role(n, p.ndim)).init_std for n, p in self.model.named_parameters()}
+                init_weights(self.model, init.std, init.seed, init.truncate, stds)
+            else:
+                from lmforge.model.hf_weights import load_hf_weights
 
-            load_hf_weights(self.model, Path(config.model.name))
-        self.optimizer = build_optimizer(self.model, config.optim, ctx.device)
+                load_hf_weights(self.model, Path(config.model.name))
+        self.optimizer = build_optimizer(self.model, config.optim, ctx.device, scale)
         state: dict[str, Any] = {}
         if resume_from is not None:
             skip = config.resume
@@ -178,18 +184,13 @@ class Trainer:
                 self.console = ConsoleMonitor(config.max_steps, self.step)
                 self.monitors.monitors.append(self.console)
 
-    def _clip(self) -> torch.Tensor:
-        max_norm = self.config.optim.max_norm or math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
     def train_step(self, micro_batches: list[MicroBatch], data_wait: float, stop: bool = False) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches; returns the step's global metrics. `stop` is this
         rank's stop request; `self.stop_agreed` says afterwards whether any rank made one."""
         device, defer = self.ctx.device, self.config.model.defer_grad_sync
         stats = run_micro_batches(self.model, micro_batches, device, defer)
-        grad_norm = self._clip()
         wait = torch.tensor(data_wait, device=device)
+        squares = group_grad_squares(self.optimizer, device)
         sums, maxes = reduce_step_stats(
             {
                 "loss_sum": stats.loss_sum,
@@ -197,9 +198,9 @@ class Trainer:
                 "tokens": stats.tokens,
                 "nan_count": stats.nan_count,
                 "data_wait": wait,
+                **{f"grad_sq/{name}": sq for name, sq in squares.items()},
             },
             {
-                "grad_norm": grad_norm,
                 "data_wait": wait,
                 "peak_memory": torch.tensor(peak_memory_gib(device), device=device),
                 "stop": torch.tensor(float(stop), device=device),
@@ -209,24 +210,30 @@ class Trainer:
         if sums["nan_count"] > 0:
             # Rare: redo the step without the bad micro-batches (on every rank, so FSDP collectives match).
             rerun_without_nonfinite(self.model, micro_batches, stats.finite.tolist(), device, defer)
-            maxes["grad_norm"] = float(self._clip())
+            again, _ = reduce_step_stats(
+                {f"grad_sq/{name}": sq for name, sq in group_grad_squares(self.optimizer, device).items()}, {}
+            )
+            sums.update(again)
+        group_sq = {name: sums[f"grad_sq/{name}"] for name in squares}
+        grad_norm = math.sqrt(sum(group_sq.values()))
+        clip_gradients(self.optimizer, grad_norm, self.config.optim.max_norm)
         multiplier = wsd_multiplier(
             self.step + 1 - self.schedule_start, self.config.max_steps - self.schedule_start, self.config.schedule
         )
         set_lr_multiplier(self.optimizer, multiplier)
-        skipped = not math.isfinite(maxes["grad_norm"]) or sums["loss_tokens"] == 0
+        skipped = not math.isfinite(grad_norm) or sums["loss_tokens"] == 0
         if not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens_seen += int(sums["tokens"])
         loss = sums["loss_sum"] / sums["loss_tokens"] if sums["loss_tokens"] else math.nan
-        return {
+        metrics = {
             "loss/mean": loss,
             "loss/perplexity": perplexity(loss) if math.isfinite(loss) else math.nan,
             "loss/nan_count": sums["nan_count"],
             "optim/lr": self.config.optim.lr * multiplier,
-            "optim/grad_norm": maxes["grad_norm"],
+            "optim/grad_norm": grad_norm,
             "optim/skipped": float(skipped),
             "time/data/max": maxes["data_wait"],
             "time/data/mean": sums["data_wait"] / self.ctx.world_size,
@@ -235,6 +242,10 @@ class Trainer:
             "perf/peak_memory": maxes["peak_memory"],
             "batch/tokens": sums["tokens"],
         }
+        for group in self.optimizer.param_groups:
+            metrics[f"optim/grad_norm/{group['name']}"] = math.sqrt(group_sq[group["name"]])
+            metrics[f"optim/lr/{group['name']}"] = group["lr"]
+        return metrics
 
     def save_checkpoint(self) -> float:
         """Checkpoint the current step (every rank); returns the seconds the step loop was blocked."""

@@ -1,0 +1,35 @@
+"""Parameter roles: what a parameter is in the model, from its canonical (HF) name and rank.
+
+Roles decide the init scale, the optimizer group (and so learning rate, weight decay, eps) and the per-group
+metrics.
+"""
+
+from __future__ import annotations
+
+ROLES = ("hidden", "residual_out", "embed", "head", "norm", "bias")
+"""hidden: 2-D matrices inside the blocks that read the residual stream (q/k/v, gate/up projections);
+residual_out: the matrices that write a block's branch back into the residual stream (o_proj, down_proj);
+embed: token embedding; head: LM head; norm: norm scales; bias: biases."""
+
+MATRIX_ROLES = frozenset({"hidden", "residual_out"})
+"""The 2-D matrices inside the blocks (Muon's share of the model)."""
+
+DECAYED_ROLES = frozenset({"hidden", "residual_out", "embed", "head"})
+"""Roles that take weight decay."""
+
+RESIDUAL_OUT = ("o_proj", "down_proj")
+"""Modules whose output is added to the residual stream."""
+
+
+def param_role(name: str, ndim: int) -> str:
+    """The role of a parameter from its canonical name and number of dimensions."""
+    if name.endswith(".bias"):
+        return "bias"
+    if "embed_tokens" in name:
+        return "embed"
+    if name.startswith("lm_head"):
+        return "head"
+    if ndim >= 2:
+        module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
+        return "residual_out" if module in RESIDUAL_OUT else "hidden"
+    return "norm"
