@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -239,3 +241,34 @@ def test_fsdp_over_one_rank_equals_the_unwrapped_model(ctx: DistContext, one_thr
     assert torch.equal(a.loss_sum, b.loss_sum)
     for (name, p), q in zip(plain.named_parameters(), sharded.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad.full_tensor()), name
+
+
+@pytest.mark.parametrize("optim_type", ["muon", "adamw"])
+def test_group_gradient_norms_add_up_to_the_clipped_total(
+    ctx: DistContext, tmp_path: Path, one_thread: None, optim_type: str
+) -> None:
+    config = train_config(tmp_path, optim={"type": optim_type, "lr": 1e-3, "max_norm": 0.05})
+    trainer = Trainer(config, ctx, console=False)
+    batches = make_batches(4, seed=3)
+    # An independent reference: torch's own total norm of the same gradients, from a copy of the model.
+    reference = copy.deepcopy(trainer.model)
+    run_micro_batches(reference, batches, CPU, False)
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), math.inf).item()
+    clipped = {}
+    original_step = trainer.optimizer.step
+
+    def capture() -> None:  # the gradients the optimizer sees, after clipping
+        clipped["norm"] = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in trainer.model.parameters()]))
+        original_step()
+
+    trainer.optimizer.step = capture  # type: ignore[method-assign]
+    metrics = trainer.train_step(batches, 0.0)
+    trainer.close()
+    groups = {k.removeprefix("optim/grad_norm/"): v for k, v in metrics.items() if k.startswith("optim/grad_norm/")}
+    expected_groups = {"hidden", "residual_out", "embed", "head", "norm"}
+    assert set(groups) == expected_groups
+    assert math.isclose(sum(v * v for v in groups.values()), metrics["optim/grad_norm"] ** 2, rel_tol=1e-9)
+    assert math.isclose(metrics["optim/grad_norm"], expected, rel_tol=1e-5)
+    assert expected > 0.05 and math.isclose(clipped["norm"].item(), 0.05, rel_tol=1e-4)
+    lrs = {k for k in metrics if k.startswith("optim/lr/")}
+    assert lrs == {f"optim/lr/{g}" for g in expected_groups}
