@@ -52,7 +52,7 @@ def _resume(tmp_path: Path, source: Path, nproc: int, step: int = 20) -> list[fl
 def test_resume_reproduces_the_run_bitwise(straight: dict[int, Path], tmp_path: Path, nproc: int) -> None:
     run = straight[nproc]
     assert list_checkpoints(run / "checkpoints") == [20, 40] and read_latest(run / "checkpoints") == 40
-    reference = read_metrics(run / "metrics.jsonl")
+    reference = read_metrics(run / "metrics.jsonl")[1:]  # after the step-0 record (parameter counts)
     resumed = _resume(tmp_path, run, nproc)
     assert resumed == [r["loss/mean"] for r in reference[20:]]
     # Learning rate and token counter continue exactly too.
@@ -90,7 +90,7 @@ def test_killed_while_saving_leaves_the_previous_checkpoint(straight: dict[int, 
     assert "Traceback" not in again.stderr
     assert not (root / ".tmp_step_30").exists() and list_checkpoints(root) == [30, 40]
     # The run continued from step 20; its curve is one run's, equal to the uninterrupted run's.
-    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == list(range(STEPS + 1))
     assert losses(tmp_path / "run") == losses(straight[1])
 
 

@@ -19,8 +19,8 @@ def test_train_writes_config_and_metrics(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     out = tmp_path / "run"
     records = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2, 4]
-    assert all(r["loss/mean"] > 0 for r in records)
+    assert [r["step"] for r in records] == [0, 1, 2, 4]  # step 0: the parameter counts
+    assert all(r["loss/mean"] > 0 for r in records[1:])
     assert "step 4/4" in result.stdout
     resolved = tomllib.loads((out / "config.toml").read_text())
     assert resolved["log"]["interval"] == 2 and resolved["data"]["seq_len"] == 64

@@ -164,11 +164,17 @@ def test_trainer_writes_metrics_with_design_names(ctx: DistContext, tmp_path: Pa
     prepare_output_dir(config, overwrite=False)
     Trainer(config, ctx, console=False).train()
     records = read_metrics(Path(config.output_dir) / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2, 3]
-    for key in ("loss/mean", "loss/perplexity", "loss/nan_count", "optim/lr", "optim/grad_norm", "perf/throughput",
-                "perf/peak_memory", "time/step", "time/data/max", "time/data/mean", "progress/num_tokens",
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    params = {"params/total", "params/embedding", "params/non_embedding", "params/active_non_embedding"}
+    assert params <= set(records[0])
+    for key in ("loss/mean", "loss/perplexity", "loss/nan_count", "loss/spike", "optim/lr", "optim/grad_norm",
+                "optim/grad_norm_spike", "perf/throughput", "perf/throughput_per_device", "perf/peak_memory",
+                "perf/peak_memory_mean", "time/step", "time/data/max", "time/data/mean", "progress/num_tokens",
                 "progress/epoch"):  # fmt: skip
         assert key in records[-1], key
+    assert "perf/mfu" not in records[-1], "no MFU without a known peak FLOP/s (CPU)"
+    log = (Path(config.output_dir) / "logs" / "rank_0.log").read_text()
+    assert "rank 0 of 1" in log and "step 3/3" in log
     assert records[-1]["progress/num_tokens"] == 3 * 256
 
 

@@ -19,6 +19,15 @@ class LogConfig(Section):
     interval: int = Field(default=1, ge=1)
     """Write a console line and a metrics.jsonl record every interval steps (and at the last step)."""
 
+    spike_window: int = Field(default=100, ge=1)
+    """Steps of history whose median the spike flags compare against."""
+
+    loss_spike_factor: float = Field(default=1.5, gt=1)
+    """`loss/spike` is 1 when the step's loss exceeds this factor x the running median loss."""
+
+    grad_spike_factor: float = Field(default=3.0, gt=1)
+    """`optim/grad_norm_spike` is 1 when the gradient norm exceeds this factor x its running median."""
+
 
 class TokenizerConfig(Section):
     """`[tokenizer]`: the tokenizer whose ids the data holds."""

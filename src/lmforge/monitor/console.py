@@ -14,11 +14,14 @@ def format_line(step: int, max_steps: int, m: dict[str, float]) -> str:
         ("optim/lr", "lr", "{:.3e}"),
         ("optim/grad_norm", "grad_norm", "{:.3f}"),
         ("perf/throughput", "tok/s", "{:,.0f}"),
+        ("perf/mfu", "mfu", "{:.1%}"),
         ("time/step", "step_s", "{:.3f}"),
         ("loss/nan_count", "nan", "{:.0f}"),
+        ("loss/spike", "LOSS SPIKE", ""),
+        ("optim/grad_norm_spike", "GRAD SPIKE", ""),
     ):
-        if key in m and (key != "loss/nan_count" or m[key]):
-            parts.append(f"{label} {fmt.format(m[key])}")
+        if key in m and (key not in ("loss/nan_count", "loss/spike", "optim/grad_norm_spike") or m[key]):
+            parts.append(f"{label} {fmt.format(m[key])}".rstrip())
     return " | ".join(parts)
 
 
@@ -51,8 +54,15 @@ class ConsoleMonitor:
         self.progress.update(self.task, completed=step, status=status)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Print the line of a logged step above the bar."""
-        self.console.print(format_line(step, self.max_steps, metrics), highlight=False, soft_wrap=True)
+        """Print the line of a logged step above the bar (the step-0 record: the parameter counts)."""
+        if "params/total" in metrics:
+            line = (
+                f"model: {metrics['params/total']:,.0f} parameters, "
+                f"{metrics.get('params/non_embedding', 0.0):,.0f} outside the embedding"
+            )
+        else:
+            line = format_line(step, self.max_steps, metrics)
+        self.console.print(line, highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         """Remove the bar."""

@@ -25,6 +25,7 @@ from lmforge.model.completep import role_scales
 from lmforge.model.init import init_weights
 from lmforge.model.roles import param_role
 from lmforge.monitor import ConsoleMonitor, JsonlMonitor, Monitors
+from lmforge.monitor.console import format_line
 from lmforge.optim import build_optimizer, clip_gradients, group_grad_squares, set_lr_multiplier, wsd_multiplier
 from lmforge.train.checkpoint import (
     CHECKPOINTS,
@@ -35,7 +36,10 @@ from lmforge.train.checkpoint import (
     read_trainer_state,
     write_atomic,
 )
+from lmforge.train.flops import FlopCounter, attended_pairs, param_counts, peak_flops
+from lmforge.train.health import SpikeDetector
 from lmforge.train.hooks import StepHook
+from lmforge.train.logs import close_logger, rank_logger
 from lmforge.train.metrics import peak_memory_gib, perplexity, reduce_step_stats
 from lmforge.train.micro_batches import rerun_without_nonfinite, run_micro_batches
 from lmforge.train.parallel import DistContext, parallelize
@@ -176,6 +180,18 @@ class Trainer:
             ctx,
             {"config.toml": self.run_dir / "config.toml", MODEL_FILES: self.run_dir / MODEL_FILES},
         )
+        self.flops = FlopCounter(self.model, arch.num_hidden_layers, arch.num_attention_heads, arch.dim_per_head)
+        self.peak_flops = peak_flops(ctx.device)
+        self.params = param_counts(self.model)
+        log = config.log
+        self.loss_spikes = SpikeDetector(log.loss_spike_factor, log.spike_window)
+        self.grad_spikes = SpikeDetector(log.grad_spike_factor, log.spike_window)
+        self.log = rank_logger(self.run_dir, ctx.rank)
+        self.log.info(
+            "rank %d of %d on %s: %s, %s parameters, attention %s, %s",
+            ctx.rank, ctx.world_size, ctx.device, arch.model_type, f"{self.params['params/total']:,.0f}",
+            model.attn_backend, f"resumed from {resume_from}" if resume_from else "from scratch",
+        )  # fmt: skip
         self.monitors = Monitors([])
         self.console: ConsoleMonitor | None = None
         if ctx.is_main:
@@ -198,6 +214,8 @@ class Trainer:
                 "tokens": stats.tokens,
                 "nan_count": stats.nan_count,
                 "data_wait": wait,
+                "pairs": torch.tensor(float(attended_pairs(mb["seq_lens"] for mb in micro_batches)), device=device),
+                "peak_memory": torch.tensor(peak_memory_gib(device), device=device),
                 **{f"grad_sq/{name}": sq for name, sq in squares.items()},
             },
             {
@@ -232,15 +250,19 @@ class Trainer:
             "loss/mean": loss,
             "loss/perplexity": perplexity(loss) if math.isfinite(loss) else math.nan,
             "loss/nan_count": sums["nan_count"],
+            "loss/spike": float(self.loss_spikes.update(loss)),
             "optim/lr": self.config.optim.lr * multiplier,
             "optim/grad_norm": grad_norm,
+            "optim/grad_norm_spike": float(self.grad_spikes.update(grad_norm)),
             "optim/skipped": float(skipped),
             "time/data/max": maxes["data_wait"],
             "time/data/mean": sums["data_wait"] / self.ctx.world_size,
             "progress/num_tokens": float(self.tokens_seen),
             "progress/epoch": self.data.epoch,
             "perf/peak_memory": maxes["peak_memory"],
+            "perf/peak_memory_mean": sums["peak_memory"] / self.ctx.world_size,
             "batch/tokens": sums["tokens"],
+            "batch/pairs": sums["pairs"],
         }
         for group in self.optimizer.param_groups:
             metrics[f"optim/grad_norm/{group['name']}"] = math.sqrt(group_sq[group["name"]])
@@ -268,6 +290,8 @@ class Trainer:
         cfg = self.config
         stop = StopRequest()
         stop.install()
+        if self.step == 0:
+            self.monitors.log(0, dict(self.params))
         last = time.perf_counter()
         try:
             while self.step < cfg.max_steps:
@@ -276,10 +300,11 @@ class Trainer:
                 metrics = self.train_step(micro_batches, time.perf_counter() - t0, stop.requested)
                 now = time.perf_counter()
                 metrics["time/step"] = now - last
-                metrics["perf/throughput"] = metrics.pop("batch/tokens") / metrics["time/step"]
+                self._add_throughput(metrics)
                 saved = self._checkpoint_due() or self.stop_agreed
                 if saved:
                     metrics["time/save_ckpt"] = self.save_checkpoint()
+                    self.log.info("checkpoint of step %d (loop blocked %.3f s)", self.step, metrics["time/save_ckpt"])
                 else:
                     self.checkpointer.poll()
                 for hook in self.hooks:
@@ -289,6 +314,7 @@ class Trainer:
                     self.console.update(self.step, metrics)
                 if saved or self.step % cfg.log.interval == 0 or self.step == cfg.max_steps or self.step == 1:
                     self.monitors.log(self.step, metrics)
+                    self.log.info(format_line(self.step, cfg.max_steps, metrics))
                 last = time.perf_counter()  # a checkpoint's time is time/save_ckpt, not the next step's time/step
                 if self.stop_agreed:
                     self.stopped_by = stop.signal_name or "a stop signal on another rank"
@@ -300,11 +326,25 @@ class Trainer:
             for hook in self.hooks:
                 if hasattr(hook, "on_train_end"):
                     hook.on_train_end(self)
+        except BaseException:
+            self.log.exception("training stopped by an exception at step %d", self.step)
+            raise
         finally:
             stop.uninstall()
             self.close()
 
+    def _add_throughput(self, metrics: dict[str, float]) -> None:
+        seconds, ws = metrics["time/step"], self.ctx.world_size
+        tokens, pairs = metrics.pop("batch/tokens"), metrics.pop("batch/pairs")
+        metrics["perf/throughput"] = tokens / seconds
+        metrics["perf/throughput_per_device"] = tokens / seconds / ws
+        if self.peak_flops is not None:
+            flops, dense = self.flops.step_flops(tokens, pairs)
+            metrics["perf/mfu"] = flops / (seconds * self.peak_flops * ws)
+            metrics["perf/mfu_6nd"] = dense / (seconds * self.peak_flops * ws)
+
     def _announce_stop(self) -> None:
+        self.log.info("stopped after step %d (%s)", self.step, self.stopped_by)
         if self.ctx.is_main:
             where = self.run_dir / CHECKPOINTS
             message = (
@@ -317,6 +357,7 @@ class Trainer:
                 print(message, flush=True)
 
     def close(self) -> None:
-        """Stop the data worker and close the monitors."""
+        """Stop the data worker, close the monitors and the log file."""
         self.data.close()
         self.monitors.close()
+        close_logger(self.log)

@@ -1,0 +1,105 @@
+"""Parameter counts, training FLOPs and model FLOPs utilization (MFU).
+
+Convention (one optimizer step, forward + backward):
+
+    FLOPs = 6 x N_matmul x tokens  +  12 x layers x heads x head_dim x sum over segments of s (s + 1) / 2
+
+N_matmul is the number of active non-embedding matrix parameters, the LM head included (a tied head still does
+its matmul): every token multiplies each such weight once in forward (2 FLOPs per weight) and twice in backward.
+The attention term counts the query-key pairs actually attended: with document masking a segment of s tokens
+attends s (s + 1) / 2 pairs (causal), and each pair costs 2 x head_dim FLOPs for QK^T and as many for AV per
+head, times 3 for forward + backward. `perf/mfu` uses this count; `perf/mfu_6nd` uses 6 x N_matmul x tokens
+alone (the PaLM-style approximation without attention), for comparison with papers that report it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from lmforge.model.roles import param_role
+
+PEAK_BF16_FLOPS = {
+    "B200": 2.25e15,
+    "B100": 1.75e15,
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "GH200": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10": 125e12,
+    "RTX 4090": 165e12,
+}
+"""Dense bf16 tensor-core peak FLOP/s by device-name fragment (first match wins: specific names first)."""
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak FLOP/s of one device, or None (with one warning) when the device is not in the table."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for fragment, peak in PEAK_BF16_FLOPS.items():
+            if fragment in name:
+                return peak
+    else:
+        name = f"{device.type} device"
+    warnings.warn(f"no peak FLOP/s known for {name}: perf/mfu is not logged", stacklevel=2)
+    return None
+
+
+def param_counts(model: nn.Module, active_fraction: dict[str, float] | None = None) -> dict[str, float]:
+    """`params/total`, `params/embedding` (the token embedding), `params/non_embedding` and
+    `params/active_non_embedding` (per token; `active_fraction` maps parameter names to the share of a token's
+    compute they see, e.g. top-k / experts for routed experts). Tied matrices count once. Global sizes, also
+    under FSDP."""
+    total = embedding = active = 0.0
+    for name, p in model.named_parameters():
+        n = float(p.numel())
+        total += n
+        if param_role(name, p.ndim) == "embed":
+            embedding += n
+        else:
+            active += n * (active_fraction or {}).get(name, 1.0)
+    return {
+        "params/total": total,
+        "params/embedding": embedding,
+        "params/non_embedding": total - embedding,
+        "params/active_non_embedding": active,
+    }
+
+
+def matmul_params(model: nn.Module, active_fraction: dict[str, float] | None = None) -> float:
+    """N_matmul: active 2-D weights outside the embedding, with the LM head counted even when tied."""
+    count = 0.0
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.ndim == 2 and param_role(name, p.ndim) != "embed":
+            count += p.numel() * (active_fraction or {}).get(name, 1.0)
+    return count
+
+
+def attended_pairs(seq_lens: Iterable[torch.Tensor]) -> int:
+    """Sum of s (s + 1) / 2 over the segments of some micro-batches (their CPU `seq_lens`)."""
+    total = 0
+    for lens in seq_lens:
+        s = lens.to(torch.int64)
+        total += int((s * (s + 1) // 2).sum())
+    return total
+
+
+class FlopCounter:
+    """Training FLOPs of a step from its token count and attended pairs."""
+
+    def __init__(self, model: nn.Module, layers: int, heads: int, head_dim: int) -> None:
+        self.matmul = matmul_params(model)
+        self.per_pair = 12.0 * layers * heads * head_dim
+
+    def step_flops(self, tokens: float, pairs: float) -> tuple[float, float]:
+        """(FLOPs with attention, 6 x N x tokens) of a step."""
+        dense = 6.0 * self.matmul * tokens
+        return dense + self.per_pair * pairs, dense
