@@ -110,6 +110,8 @@ COMMANDS = {
     "tokenize": "turn local text into datatrove token shards",
     "export": "write a run's checkpoint as a plain Hugging Face model folder",
     "sample": "generate text from a model folder, run directory or checkpoint",
+    "plot": "overlay metric curves of runs in an image (lmforge plot RUN_DIR ... -o curves.png)",
+    "report": "write a self-contained HTML report of a run",
     "demo": "pretrain a small Llama on Shakespeare, prepared locally",
 }
 
@@ -143,6 +145,14 @@ def main(argv: list[str] | None = None) -> int:
         from lmforge.sample import sample_main
 
         return sample_main(rest)
+    if command == "plot":
+        from lmforge.viz.plot import plot_main
+
+        return plot_main(rest)
+    if command == "report":
+        from lmforge.viz.report import report_main
+
+        return report_main(rest)
     if command == "demo":
         from lmforge.demo import demo_main
 
