@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +62,42 @@ def test_checkpoint_benchmark_smoke(tmp_path: Path) -> None:
     assert 0 < best["async"]["blocked_s"] <= best["async"]["total_s"]
     # the loaded parameters and optimizer state equal those that were saved
     assert best["load"]["verified"] is True
+
+
+def test_lr_transfer_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "lr_transfer.json"
+    script = ROOT / "benchmarks" / "lr_transfer.py"
+    cmd = [sys.executable, str(script), "--smoke", "--data-dir", str(tmp_path / "demo"), "--json", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    settings = figures["settings"]
+    assert figures["runs"]
+    assert all(math.isfinite(run["heldout_loss"]) and math.isfinite(run["train_loss"]) for run in figures["runs"])
+    # every scheme has a best lr at every width, and a spread across the widths
+    for scheme in ("normal", "completep"):
+        widths = figures["transfer"][scheme]["widths"]
+        assert sorted(widths) == sorted(str(w) for w in settings["widths"])
+        assert all(w["best_lr_exp"] in w["lr_exps"] and math.isfinite(w["best_loss"]) for w in widths.values())
+        assert figures["transfer"][scheme]["spread_steps"] >= 0
+    # each optimizer either reached the target loss (at some number of tokens) or says it did not
+    muon = figures["muon"]
+    assert math.isfinite(muon["target_loss"])
+    for opt in ("adamw", "muon"):
+        assert muon[opt]["best_lr_exp"] is not None and muon[opt]["curve"]
+        tokens = muon[opt]["tokens_to_target"]
+        in_run = tokens is not None and 0 <= tokens <= settings["steps"] * settings["batch_tokens"]
+        assert in_run == muon[opt]["reached"]
+    assert muon["adamw"]["reached"]  # the target is AdamW's own final loss plus a margin
+
+
+def test_logging_cost_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "logging.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "logging_cost.py"), "--smoke", "--json", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    sides = {r["side"]: r for r in figures["runs"]}
+    assert sides["off"]["monitors"] == []
+    assert {"ConsoleMonitor", "JsonlMonitor", "WandbMonitor"} <= set(sides["on"]["monitors"])
+    assert all(r["median_step_s"] > 0 for r in figures["runs"]) and figures["ratio"] > 0

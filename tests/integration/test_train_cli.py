@@ -74,3 +74,17 @@ def test_two_ranks_match_one_rank(tmp_path: Path, defer: bool) -> None:
     assert a[-1] < a[0]  # it trains
     tokens = [r["progress/num_tokens"] for r in read_metrics(tmp_path / "two" / "metrics.jsonl")]
     assert tokens[-1] == 6 * 1024
+
+
+def test_wandb_offline_run_and_rank_logs(tmp_path: Path) -> None:
+    pytest.importorskip("wandb")
+    cfg = write_config(tmp_path, "run", max_steps=3)
+    flags = ["--wandb.project", "lmforge-test", "--wandb.mode", "offline"]
+    result = run_cli(["train", "@", str(cfg), *flags], nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "run"
+    run_id = (out / "wandb_run_id").read_text().strip()
+    assert [p.name for p in (out / "wandb").glob(f"offline-run-*-{run_id}")], "rank 0 wrote one offline W&B run"
+    for rank in (0, 1):
+        log = (out / "logs" / f"rank_{rank}.log").read_text()
+        assert f"rank {rank} of 2" in log and "step 3/3" in log

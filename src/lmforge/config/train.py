@@ -11,6 +11,7 @@ from lmforge.config.ckpt import CkptConfig, ResumeConfig
 from lmforge.config.data import DataConfig
 from lmforge.config.model import ModelConfig
 from lmforge.config.optim import OptimConfig, ScheduleConfig
+from lmforge.config.wandb import WandbConfig
 
 
 class LogConfig(Section):
@@ -69,6 +70,9 @@ class TrainConfig(Section):
 
     resume: ResumeConfig = ResumeConfig()
     """Where the run continues from."""
+
+    wandb: WandbConfig = WandbConfig()
+    """Weights & Biases logging (off unless wandb.project is set)."""
 
     @model_validator(mode="before")
     @classmethod

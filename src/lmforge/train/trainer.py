@@ -196,6 +196,11 @@ class Trainer:
         self.console: ConsoleMonitor | None = None
         if ctx.is_main:
             self.monitors.monitors.append(JsonlMonitor(Path(config.output_dir) / "metrics.jsonl"))
+            if config.wandb.enabled:
+                from lmforge.monitor.wandb import WandbMonitor
+
+                config_json = config.model_dump(mode="json", by_alias=True)
+                self.monitors.monitors.append(WandbMonitor(config.wandb, self.run_dir, config_json, self.step))
             if console:
                 self.console = ConsoleMonitor(config.max_steps, self.step)
                 self.monitors.monitors.append(self.console)
