@@ -44,10 +44,18 @@ def test_parameter_counts() -> None:
     assert tied["params/total"] == untied["params/total"] - HEAD and tied["params/embedding"] == embed
 
 
-def test_no_peak_on_the_cpu_warns() -> None:
+def test_peak_table_and_unknown_devices() -> None:
+    import warnings
+
     import pytest
 
+    cuda = torch.device("cuda", 0)
+    assert peak_flops(cuda, "NVIDIA H100 80GB HBM3") == peak_flops(cuda, "NVIDIA H200") == 989e12
+    assert peak_flops(cuda, "NVIDIA H100 PCIe") == 756e12 and peak_flops(cuda, "NVIDIA A100-SXM4-80GB") == 312e12
     with pytest.warns(UserWarning, match="perf/mfu is not logged"):
+        assert peak_flops(cuda, "NVIDIA Mystery 9000") is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the CPU has no MFU, silently
         assert peak_flops(CPU) is None
 
 
