@@ -88,3 +88,13 @@ def test_wandb_offline_run_and_rank_logs(tmp_path: Path) -> None:
     for rank in (0, 1):
         log = (out / "logs" / f"rank_{rank}.log").read_text()
         assert f"rank {rank} of 2" in log and "step 3/3" in log
+
+
+def test_chunked_loss_trains_like_the_full_logits_on_two_ranks(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, "base", max_steps=4)
+    plain = run_cli(["train", "@", str(cfg), "--output-dir", str(tmp_path / "plain")], nproc=2)
+    chunked = run_cli(["train", "@", str(cfg), "--output-dir", str(tmp_path / "chunked"),
+                       "--model.loss-chunk-tokens", "48"], nproc=2)  # fmt: skip
+    assert plain.returncode == 0 and chunked.returncode == 0, chunked.stderr[-3000:]
+    a, b = losses(tmp_path / "plain"), losses(tmp_path / "chunked")
+    assert len(a) == 4 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)

@@ -80,6 +80,10 @@ class ModelConfig(Section):
     """Dtype of parameters in forward/backward (master weights and gradient reduction stay fp32);
     `auto` is bfloat16 on CUDA and float32 on CPU."""
 
+    loss_chunk_tokens: int = Field(default=0, ge=0)
+    """Compute the LM head and cross-entropy this many tokens at a time, in fp32, never holding the full
+    [tokens, vocab] logits (same loss and gradients); 0 computes all logits at once."""
+
     compile: bool = False
     """Compile each decoder block with torch.compile."""
 

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from lmforge.model.attention import AttentionFn, DocumentMask, get_attention
 from lmforge.model.config import LlamaArch, Qwen3Arch
+from lmforge.model.loss import head_cross_entropy
 
 
 class RMSNorm(nn.Module):
@@ -155,6 +156,8 @@ class CausalLM(nn.Module):
         self.attn_backend = attn_backend
         self.model = DecoderModel(arch, vocab_size, get_attention(attn_backend))
         self.lm_head = nn.Linear(arch.hidden_size, vocab_size, bias=False)
+        # With targets, the LM head and loss run this many tokens at a time (0: all logits at once).
+        self.loss_chunk_tokens = 0
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -168,6 +171,13 @@ class CausalLM(nn.Module):
         """The repeated blocks: the units of sharding, activation checkpointing and compilation."""
         return list(self.model.layers)
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, seq_lens: Tensor) -> Tensor:
-        """input_ids and position_ids [1, T], seq_lens [S] -> logits [1, T, vocab]."""
-        return self.lm_head(self.model(input_ids, position_ids, seq_lens))
+    def forward(
+        self, input_ids: Tensor, position_ids: Tensor, seq_lens: Tensor, targets: Tensor | None = None
+    ) -> Tensor:
+        """input_ids and position_ids [1, T], seq_lens [S] -> logits [1, T, vocab]; with targets [1, T]
+        (IGNORE_INDEX where there is no loss), the fp32 sum of the token cross-entropies instead. The loss is
+        computed inside forward so that FSDP sees the LM head used where it manages its parameters."""
+        hidden = self.model(input_ids, position_ids, seq_lens)
+        if targets is None:
+            return self.lm_head(hidden)
+        return head_cross_entropy(hidden[0], self.lm_head.weight, targets[0], self.loss_chunk_tokens)

@@ -14,13 +14,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from lmforge.data.batch import MicroBatch, null_micro_batch
-
-IGNORE_INDEX = -100
+from lmforge.model.loss import IGNORE_INDEX
 
 
 @dataclass
@@ -45,10 +43,10 @@ def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
 
 
 def token_loss_sum(model: nn.Module, mb: MicroBatch) -> Tensor:
-    """Sum of the cross-entropy (fp32) over the loss tokens of one micro-batch."""
-    logits = model(mb["input_ids"], mb["position_ids"], mb["seq_lens"])
+    """Sum of the cross-entropy (fp32) over the loss tokens of one micro-batch (the model computes it, in chunks
+    when its `loss_chunk_tokens` is set)."""
     targets = mb["target_ids"].masked_fill(~mb["loss_mask"], IGNORE_INDEX)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return model(mb["input_ids"], mb["position_ids"], mb["seq_lens"], targets=targets)
 
 
 def global_loss_tokens(micro_batches: Sequence[MicroBatch]) -> Tensor:

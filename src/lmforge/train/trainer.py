@@ -143,6 +143,7 @@ class Trainer:
         arch = config.model.arch
         assert arch is not None, "model.arch is filled in from model.name when the config is loaded"
         model = build_model(arch, vocab, config.model.attn, ctx.device, meta=True)
+        model.loss_chunk_tokens = config.model.loss_chunk_tokens
         self.model = parallelize(model, model.blocks, config.model, ctx)
         init = config.model.init
         scale = role_scales(arch, init.scheme, init.base_hidden_size, init.base_num_layers)
