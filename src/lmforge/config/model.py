@@ -52,8 +52,10 @@ class DebugConfig(Section):
 class ACConfig(Section):
     """`[model.ac]`: activation checkpointing of decoder blocks."""
 
-    mode: Literal["none", "full"] = "none"
-    """`none` keeps all activations; `full` recomputes a checkpointed block's forward during backward."""
+    mode: Literal["none", "full", "selective"] = "none"
+    """`none` keeps all activations; `full` recomputes a checkpointed block's forward during backward;
+    `selective` keeps the outputs of the matmuls and attention and recomputes only the cheap elementwise ops
+    (norms, activations, rotary, residual adds)."""
 
     freq: int = Field(default=1, ge=1)
     """Checkpoint every freq-th block (1 = every block)."""

@@ -10,13 +10,14 @@ import datetime
 import functools
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from lmforge.config.model import ModelConfig
 
@@ -85,11 +86,24 @@ def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module], freq: int) -> None:
-    """Recompute every freq-th block's forward in backward. The module tree, and so every name, is unchanged."""
+def _saved_ops() -> list[Any]:
+    """The ops whose outputs selective checkpointing keeps: matmuls and attention kernels (the expensive ones)."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_flash_attention_forward", "_efficient_attention_forward")  # fmt: skip
+    return [getattr(aten, n).default for n in names if hasattr(aten, n)]
+
+
+def apply_activation_checkpointing(blocks: list[nn.Module], freq: int, mode: str = "full") -> None:
+    """Recompute every freq-th block's forward in backward: all of it (`full`), or all but the outputs of its
+    matmuls and attention (`selective`). The module tree, and so every name, is unchanged."""
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if mode == "selective":
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _saved_ops())
     for i, block in enumerate(blocks):
         if i % freq == 0:
-            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)  # type: ignore[method-assign]
+            block.forward = functools.partial(checkpoint, block.forward, **kwargs)  # type: ignore[method-assign]
 
 
 def parallelize(model: nn.Module, blocks: list[nn.Module], cfg: ModelConfig, ctx: DistContext) -> nn.Module:
@@ -100,8 +114,8 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], cfg: ModelConfig, ctx
     (5-10% of a CPU step, docs/benchmarks.md) and computes bit-identical results. With bf16 parameters FSDP's
     mixed-precision policy is what keeps fp32 master weights, so it wraps at any world size.
     """
-    if cfg.ac.mode == "full":
-        apply_activation_checkpointing(blocks, cfg.ac.freq)
+    if cfg.ac.mode != "none":
+        apply_activation_checkpointing(blocks, cfg.ac.freq, cfg.ac.mode)
     if cfg.compile:
         for block in blocks:
             block.compile()
