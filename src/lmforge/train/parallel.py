@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -129,11 +130,17 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], cfg: ModelConfig, ctx
             model.tie_weights()  # to_empty gives tied modules separate parameters
         return model
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for block in blocks:
-        fully_shard(block, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=True)
+    for i, block in enumerate(blocks):
+        # The last block's backward comes right after its forward: resharding it would only gather it again.
+        fully_shard(block, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
     # The root (embeddings, final norm, LM head) is used last in forward and first in backward: keep it unsharded.
     fully_shard(model, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=False)
     assert isinstance(model, FSDPModule)
+    # Each block starts gathering the next one's parameters before its own compute, so the all-gather of block
+    # i + 1 overlaps block i's forward even when the CPU issues kernels only just ahead of the GPU.
+    for block, following in itertools.pairwise(blocks):
+        assert isinstance(block, FSDPModule)
+        block.set_modules_to_forward_prefetch([following])  # type: ignore[list-item]
     if on_meta:
         # Each rank allocates only its own shards; the caller fills them (init, checkpoint or HF weights).
         model.to_empty(device=ctx.device)
