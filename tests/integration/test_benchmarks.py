@@ -101,3 +101,17 @@ def test_logging_cost_smoke(tmp_path: Path) -> None:
     assert sides["off"]["monitors"] == []
     assert {"ConsoleMonitor", "JsonlMonitor", "WandbMonitor"} <= set(sides["on"]["monitors"])
     assert all(r["median_step_s"] > 0 for r in figures["runs"]) and figures["ratio"] > 0
+
+
+def test_gpu_benchmark_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--smoke", "--json", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 1
+    row = rows[0]
+    assert "error" not in row, row.get("traceback")
+    assert row["tokens_per_s"] > 0 and row["params"] > 0 and row["median_step_s"] > 0
+    assert row["attn_backend"] == "sdpa"  # what `auto` picks on the CPU
+    assert row["mfu_pct"] is None  # no bf16 peak on the CPU

@@ -87,6 +87,10 @@ def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
+FULLGRAPH_BACKENDS = frozenset({"sdpa"})
+"""Attention backends whose blocks compile with `fullgraph=True` (checked by tests/unit/test_compile.py)."""
+
+
 def _saved_ops() -> list[Any]:
     """The ops whose outputs selective checkpointing keeps: matmuls and attention kernels (the expensive ones)."""
     aten = torch.ops.aten
@@ -118,8 +122,10 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], cfg: ModelConfig, ctx
     if cfg.ac.mode != "none":
         apply_activation_checkpointing(blocks, cfg.ac.freq, cfg.ac.mode)
     if cfg.compile:
+        # Backends verified to trace without a graph break compile as one graph per block; the others may break.
+        fullgraph = getattr(model, "attn_backend", None) in FULLGRAPH_BACKENDS
         for block in blocks:
-            block.compile()
+            block.compile(fullgraph=fullgraph)
     param_dtype = resolve_param_dtype(cfg.param_dtype, ctx.device)
     on_meta = any(p.is_meta for p in model.parameters())
     if ctx.world_size == 1 and param_dtype == torch.float32:

@@ -1,0 +1,393 @@
+"""Single-GPU training throughput and MFU of lmforge on dense Llamas of ~125M, ~350M and ~1B parameters.
+
+Each size trains in-process through lmforge's own step (`Trainer.train_step`, the step `lmforge train` runs: FSDP2
+over one rank with bf16 parameters and fp32 master weights, the step statistics, the background data prefetcher),
+on fake data shaped like pretraining data: seq_len 4096, a 32768-token vocabulary, documents of geometric length
+(mean 1024 tokens) with document masking on. Defaults: bf16, AdamW (`--optim muon` for Muon), `torch.compile` of
+each block (`--no-compile`), the LM head and loss computed 4096 tokens at a time, `model.attn = "auto"` (flash,
+varlen or flex attention, whichever the machine has).
+
+| size | shape                                       | params | seq  | micro-batch | batch tokens | ac        |
+|------|---------------------------------------------|--------|------|-------------|--------------|-----------|
+| 125m | d768, 12 layers, 12 heads (MHA), ffn 2048   | 135M   | 4096 | 64K (16 w)  | 256K (4 mb)  | none      |
+| 350m | d1024, 24 layers, 16 heads (MHA), ffn 2816  | 375M   | 4096 | 32K (8 w)   | 256K (8 mb)  | none      |
+| 1b   | d2048, 16 layers, 32 heads, 8 KV, ffn 8192  | 1.11B  | 4096 | 32K (8 w)   | 128K (4 mb)  | selective |
+
+(Untied embeddings; the 1b shape is Llama-3.2-1B's with a 32K vocabulary. The micro-batches use well under half
+of an H200's 141 GB, so a size still fits with `--ac none` or `--optim muon`; `selective` keeps the outputs of the
+matmuls and attention and recomputes the rest, which is what a 1B run at larger micro-batches needs. The
+recomputation is not counted in the FLOPs, so MFU is what the run achieves, not what the GPU executes.)
+
+Each size runs in its own spawned process (a clean allocator, its own peak memory, and an OOM or a crash cannot take
+the others down): build the trainer, `--warmup` untimed steps (compilation and recompilations happen there), then
+`--steps` timed steps, the CUDA stream synchronized before each clock read. A timed step is
+`trainer.data.next_step()` + `trainer.train_step(...)`, exactly what `Trainer.train` does per step minus the
+metrics file and console. Per size: parameters, tokens/s (timed tokens / timed seconds), MFU (the FLOPs of
+`lmforge.train.flops`: 6 x matmul params x tokens plus the attention of the pairs actually attended, over the
+device's dense bf16 peak), MFU 6ND (the matmul term alone), peak allocated CUDA memory, the attention backend,
+the median step time, and the setup time (trainer build + compile + warmup, after the imports). A size that
+fails (out of memory, a crash, past `--timeout`) gets its error in its row and the next size runs.
+
+Time on one H200: the first step of a size compiles its block forward and backward (~30-60 s), plus ~10-20 s of
+process start, CUDA and model setup; at 30-45% MFU the steps take ~0.5 s (125m), ~1.5 s (350m) and ~2 s (1b),
+so 20 steps per size add ~10 s, ~30 s and ~40 s: the default table takes ~4-5 minutes, under 8 minutes with room
+for a slow compile. Each size is stopped after `--timeout` seconds (default 300).
+
+    .venv/bin/python benchmarks/gpu.py [--sizes 125m 350m 1b] [--steps N] [--warmup N] [--optim adamw|muon]
+                                       [--no-compile] [--ac none|full|selective] [--attn auto|flash|varlen|flex|sdpa]
+                                       [--loss-chunk-tokens N] [--timeout S] [--json PATH]
+    .venv/bin/python benchmarks/gpu.py --smoke      # tiny fp32 model on the CPU, 1 + 2 steps (~10 s)
+
+The script exits 0 when it ran, even if a size failed (its row says why); 2 on bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from lmforge.config import TrainConfig
+from lmforge.config.checks import check_config
+from lmforge.train.parallel import init_distributed, shutdown_distributed
+from lmforge.train.trainer import Trainer, prepare_output_dir
+
+K = 1024
+
+
+@dataclass(frozen=True)
+class Size:
+    """One model size and its batch geometry."""
+
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    seq_len: int = 4096
+    micro_batch_tokens: int = 32 * K
+    batch_tokens: int = 256 * K
+    ac: str = "none"
+    """Default activation checkpointing of this size (`--ac` overrides it for every size)."""
+    vocab_size: int = 32768
+    mean_doc_len: float = 1024.0
+
+
+SIZES: dict[str, Size] = {
+    "125m": Size("125m", 768, 2048, 12, 12, 12, micro_batch_tokens=64 * K),
+    "350m": Size("350m", 1024, 2816, 24, 16, 16),
+    "1b": Size("1b", 2048, 8192, 16, 32, 8, batch_tokens=128 * K, ac="selective"),
+}
+"""The default table, smallest first (a failure of a big size still leaves the small ones measured)."""
+
+SMOKE = Size("smoke", 64, 176, 2, 4, 4, seq_len=128, micro_batch_tokens=128, batch_tokens=256, vocab_size=512,
+             mean_doc_len=32.0)  # fmt: skip
+"""A model and batch small enough that a test runs the script in seconds on the CPU."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """What every size shares: optimizer, compilation, attention, loss chunking and the measurement protocol."""
+
+    optim: str = "adamw"
+    compile: bool = True
+    ac: str | None = None
+    """None: each size's own default."""
+    attn: str = "auto"
+    loss_chunk_tokens: int = 4096
+    param_dtype: str = "auto"
+    """`auto`: bf16 on CUDA, fp32 on the CPU."""
+    lr: float = 3e-4
+    warmup: int = 5
+    steps: int = 15
+
+
+def train_config(size: Size, opts: Options, output_dir: str) -> TrainConfig:
+    """The lmforge config of one size: constant lr, no checkpoint, fake pretraining-like data."""
+    return TrainConfig.model_validate(
+        {
+            "max_steps": opts.warmup + opts.steps,
+            "output_dir": output_dir,
+            "model": {
+                "arch": {
+                    "model_type": "llama",
+                    "hidden_size": size.hidden_size,
+                    "intermediate_size": size.intermediate_size,
+                    "num_hidden_layers": size.num_hidden_layers,
+                    "num_attention_heads": size.num_attention_heads,
+                    "num_key_value_heads": size.num_key_value_heads,
+                    "max_position_embeddings": size.seq_len,
+                },
+                "attn": opts.attn,
+                "param_dtype": opts.param_dtype,
+                "compile": opts.compile,
+                "ac": {"mode": opts.ac or size.ac},
+                "loss_chunk_tokens": opts.loss_chunk_tokens,
+            },
+            "data": {
+                "type": "fake",
+                "seq_len": size.seq_len,
+                "batch_tokens": size.batch_tokens,
+                "micro_batch_tokens": size.micro_batch_tokens,
+                "vocab_size": size.vocab_size,
+                "mean_doc_len": size.mean_doc_len,
+                "document_masking": True,
+            },
+            "optim": {"type": opts.optim, "lr": opts.lr},
+            "schedule": {"warmup": 0.0, "decay": 0.0},
+            "ckpt": {"final": False},
+        }
+    )
+
+
+# ---------------------------------------------------------------------------------------------- one size
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(size: Size, opts: Options) -> dict[str, Any]:
+    """Build the trainer of `size`, run the warmup and timed steps, return the figures of its row."""
+    t_start = time.perf_counter()
+    ctx = init_distributed()
+    device = ctx.device
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"lmforge-gpu-{size.name}-") as tmp:
+            config = train_config(size, opts, str(Path(tmp) / "run"))
+            check_config(config, ctx.world_size)
+            prepare_output_dir(config, overwrite=False)
+            trainer = Trainer(config, ctx, console=False)
+            try:
+                backend = getattr(trainer.model, "attn_backend", None)
+                seconds: list[float] = []
+                tokens = pairs = 0.0
+                losses: list[float] = []
+                setup_s = 0.0
+                _sync(device)
+                for i in range(opts.warmup + opts.steps):
+                    if i == opts.warmup:
+                        setup_s = time.perf_counter() - t_start
+                    t0 = time.perf_counter()
+                    micro_batches = trainer.data.next_step()
+                    metrics = trainer.train_step(micro_batches, time.perf_counter() - t0)
+                    _sync(device)
+                    dt = time.perf_counter() - t0
+                    losses.append(metrics["loss/mean"])
+                    if i >= opts.warmup:
+                        seconds.append(dt)
+                        tokens += metrics["batch/tokens"]
+                        pairs += metrics["batch/pairs"]
+                total_s = sum(seconds)
+                flops, dense = trainer.flops.step_flops(tokens, pairs)
+                peak = trainer.peak_flops
+                row: dict[str, Any] = {
+                    "params": trainer.params["params/total"],
+                    "tokens_per_s": tokens / total_s,
+                    "mfu_pct": 100 * flops / (total_s * peak) if peak else None,
+                    "mfu_6nd_pct": 100 * dense / (total_s * peak) if peak else None,
+                    "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30
+                    if device.type == "cuda"
+                    else None,
+                    "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30
+                    if device.type == "cuda"
+                    else None,
+                    "attn_backend": backend,
+                    "median_step_s": statistics.median(seconds),
+                    "step_s": seconds,
+                    "setup_s": setup_s,
+                    "timed_tokens": tokens,
+                    "timed_pairs": pairs,
+                    "flops_per_token": flops / tokens,
+                    "peak_flops": peak,
+                    "losses": losses,
+                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    "torch": torch.__version__,
+                }
+                return row
+            finally:
+                trainer.close()
+    finally:
+        shutdown_distributed()
+
+
+def child_main(size: Size, opts: Options, conn: Connection) -> None:
+    """Entry point of a spawned child: measure one size and send back its row (or the traceback)."""
+    # Fewer fragmentation OOMs at large micro-batches; read when CUDA first allocates, so it must be set first.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    try:
+        conn.send(measure(size, opts))
+    except BaseException as e:
+        conn.send({"error": f"{type(e).__name__}: {e}".splitlines()[0][:300], "traceback": traceback.format_exc()})
+    finally:
+        conn.close()
+
+
+def run_size(size: Size, opts: Options, timeout: float) -> dict[str, Any]:
+    """Measure one size in a fresh spawned process; a failure or a timeout becomes the row's `error`."""
+    row: dict[str, Any] = {
+        "size": size.name,
+        **{k: v for k, v in asdict(size).items() if k != "name"},
+        "ac": opts.ac or size.ac,
+        "compile": opts.compile,
+        "optim": opts.optim,
+    }
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=child_main, args=(size, opts, child), name=f"gpu-bench-{size.name}")
+    t0 = time.perf_counter()
+    proc.start()
+    child.close()
+    try:
+        if parent.poll(timeout):
+            row.update(parent.recv())
+            proc.join(timeout=30)  # the child only closes its trainer and process group after sending
+        else:
+            row["error"] = f"timed out after {timeout:.0f} s"
+    except EOFError:
+        pass  # the child died without a word (a crash): its exit code says more
+    if proc.is_alive():
+        proc.kill()
+    proc.join()
+    if "tokens_per_s" not in row and "error" not in row:
+        row["error"] = f"the process exited with code {proc.exitcode} without a result"
+    row["wall_s"] = time.perf_counter() - t0
+    return row
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[dict[str, Any]], opts: Options, console: Console) -> None:
+    """One row per size; a failed size shows its error instead of figures."""
+    device = next((r["device"] for r in rows if "device" in r), "the device (no size ran)")
+    table = Table(
+        title=(
+            f"lmforge training throughput on {device}: {opts.optim}, compile {'on' if opts.compile else 'off'}, "
+            f"loss chunk {opts.loss_chunk_tokens}, {opts.steps} timed steps after {opts.warmup}"
+        )
+    )
+    for name, justify in [("size", "left"), ("params", "right"), ("seq / micro / batch", "right"), ("ac", "left"),
+                          ("tokens/s", "right"), ("MFU %", "right"), ("MFU 6ND %", "right"),
+                          ("peak mem GiB", "right"), ("attention", "left"), ("median step s", "right"),
+                          ("setup s", "right")]:  # fmt: skip
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for r in rows:
+        geometry = f"{r['seq_len']} / {r['micro_batch_tokens'] // K}K / {r['batch_tokens'] // K}K"
+        if r["seq_len"] < K:
+            geometry = f"{r['seq_len']} / {r['micro_batch_tokens']} / {r['batch_tokens']}"
+        params = f"{r['params'] / 1e6:,.1f}M" if "params" in r else "-"
+        head = [r["size"], params, geometry, r["ac"]]
+        if "error" in r:
+            table.add_row(*head, f"[red]{escape(r['error'])}[/]", *[""] * 6)
+            continue
+        table.add_row(
+            *head,
+            f"{r['tokens_per_s']:,.0f}",
+            _fmt(r["mfu_pct"], ".1f"),
+            _fmt(r["mfu_6nd_pct"], ".1f"),
+            _fmt(r["peak_memory_gib"], ".1f"),
+            str(r["attn_backend"]),
+            f"{r['median_step_s']:.3f}",
+            f"{r['setup_s']:.0f}",
+        )
+    console.print(table)
+    console.print(
+        "MFU: (6 x matmul params x tokens + 12 x layers x heads x head_dim x attended pairs) / (time x bf16 peak); "
+        "MFU 6ND: the matmul term alone. Recomputation under activation checkpointing is not counted. "
+        "setup s: trainer build to the first timed step (build, compile, warmup; the imports not included)."
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line flags."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES), help="sizes to run (default all)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per size (default 15; smoke 2)")
+    p.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps first, compilation included (default 5; smoke 1)"
+    )
+    p.add_argument("--optim", choices=("adamw", "muon"), default="adamw", help="optimizer (default adamw)")
+    p.add_argument("--no-compile", action="store_true", help="don't torch.compile the blocks")
+    p.add_argument(
+        "--ac",
+        choices=("none", "full", "selective"),
+        default=None,
+        help="activation checkpointing of every size (default: none for 125m/350m, selective for 1b)",
+    )
+    p.add_argument("--attn", default="auto", help="attention backend (default auto: flash/varlen/flex on CUDA)")
+    p.add_argument("--loss-chunk-tokens", type=int, default=4096, help="LM head + loss chunk (default 4096; 0: all)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds one size may take before it is stopped")
+    p.add_argument("--smoke", action="store_true", help="tiny fp32 model on the CPU, 1 + 2 steps: checks the script")
+    p.add_argument("--json", type=Path, default=None, help="write the rows to this JSON file")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run each size, print the table, optionally write the JSON; 0 when it ran."""
+    args = parse_args(argv)
+    opts = Options(
+        optim=args.optim,
+        compile=not args.no_compile,
+        ac=args.ac,
+        attn=args.attn,
+        loss_chunk_tokens=args.loss_chunk_tokens,
+    )
+    sizes = [SIZES[name] for name in SIZES if name in args.sizes]
+    if args.smoke:
+        opts = replace(opts, compile=False, param_dtype="float32", warmup=1, steps=2)
+        sizes = [SMOKE]
+    opts = replace(
+        opts,
+        steps=args.steps if args.steps is not None else opts.steps,
+        warmup=args.warmup if args.warmup is not None else opts.warmup,
+    )
+    if opts.steps < 1 or opts.warmup < 0 or opts.loss_chunk_tokens < 0:
+        print("gpu.py: --steps must be >= 1, --warmup and --loss-chunk-tokens >= 0", file=sys.stderr)
+        return 2
+    console = Console(width=None if sys.stdout.isatty() else 160)  # no wrapping in logs and pipes
+    rows: list[dict[str, Any]] = []
+    for size in sizes:
+        row = run_size(size, opts, args.timeout)
+        if "error" in row:
+            console.print(
+                f"{size.name}: [red]failed[/] after {row['wall_s']:.0f} s: {escape(row['error'])}", highlight=False
+            )
+        else:
+            console.print(
+                f"{size.name}: {row['tokens_per_s']:,.0f} tokens/s, MFU % {_fmt(row['mfu_pct'], '.1f')}, "
+                f"peak GiB {_fmt(row['peak_memory_gib'], '.1f')}, {row['attn_backend']} ({row['wall_s']:.0f} s)",
+                highlight=False,
+            )
+        rows.append(row)
+    print_table(rows, opts, console)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        figures = {"settings": asdict(opts), "rows": rows}
+        args.json.write_text(json.dumps(figures, indent=2, allow_nan=True) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
