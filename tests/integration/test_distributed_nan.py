@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from tests.spawn import run_ranks
 from tests.unit.test_micro_batches import make_batches, poisoned_vs_clean, train_config
 
 pytestmark = pytest.mark.slow
@@ -39,19 +39,7 @@ def _worker(rank: int, port: int, tmp: str) -> None:
 
 
 def test_nan_on_one_rank_is_skipped_everywhere(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=180)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in procs] == [0, 0]
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    results = run_ranks(_worker, (_free_port(), str(tmp_path)), tmp_path, timeout=180)
     assert results[0]["hits"] == 1 and results[1]["hits"] == 0
     for res in results:
         assert [m["loss/nan_count"] for m in res["metrics"]] == [0.0, 1.0, 0.0]

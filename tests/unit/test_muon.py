@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 import lmforge.optim.muon as muon_module
 from lmforge.optim.muon import Muon, newton_schulz
+from tests.spawn import run_ranks
 
 # singular values after 5 default-coefficient steps of a random well-conditioned rectangular matrix: measured
 # 0.68183–1.13436 over 300 seeds of 64x32, 32x96, 9x45 and 67x40 (the quintic's fixed-point band; torch documents
@@ -245,19 +245,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_fsdp2_two_ranks_equals_single_process(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
-    init_file = tmp_path / "init"
-    procs = [ctx.Process(target=_worker, args=(r, str(init_file), str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in procs] == [0, 0]
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    results = run_ranks(_worker, (str(tmp_path / "init"), str(tmp_path)), tmp_path, timeout=120)
 
     # rows split like torch.chunk: rank 1 has fewer rows of every odd matrix, and none of the 1-row one
     assert results[0]["local_rows"] == [34, 23, 5, 1]

@@ -1,0 +1,26 @@
+"""Run a function on two spawned processes (one per rank), end them within a time bound, read their results."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def run_ranks(worker: Callable[..., None], args: tuple[Any, ...], out: Path, timeout: float, n: int = 2) -> list[Any]:
+    """Start `worker(rank, *args)` on `n` spawned processes, kill any still alive after `timeout` seconds, check
+    that all exited 0, and return what each wrote to `out/rank<r>.json`."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker, args=(r, *args)) for r in range(n)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert [p.exitcode for p in procs] == [0] * n
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
