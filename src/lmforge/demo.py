@@ -51,6 +51,11 @@ def prepare_demo_data(data_dir: Path, console: Console) -> None:
     (data_dir / "READY").write_text("ok\n")
 
 
+def _toml_inline(tables: list[dict[str, str]]) -> str:
+    """A list of tables as a TOML inline value for a command-line flag."""
+    return "[" + ", ".join("{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in t.items()) + "}" for t in tables) + "]"
+
+
 def demo_main(argv: list[str]) -> int:
     """Prepare the demo data, train `examples/pretrain/demo.toml` (extra arguments go to `lmforge train`), then
     print a short sample from the trained model."""
@@ -74,7 +79,9 @@ def demo_main(argv: list[str]) -> int:
     from lmforge.sample import sample_main
 
     data = args.data_dir
-    overrides = ["--tokenizer.name", str(data / "tokenizer"), "--data.paths", json.dumps([str(data / "train")])]
+    heldout = [{"name": "heldout", "path": str(data / "heldout")}]
+    overrides = ["--tokenizer.name", str(data / "tokenizer"), "--data.paths", json.dumps([str(data / "train")]),
+                 "--val.sets", _toml_inline(heldout)]  # fmt: skip
     argv = ["@", str(args.config), *overrides, *(a for a in train_args if a != "--overwrite")]
     code = train_command([*argv, "--overwrite"])
     if code != 0 or "--dry-run" in train_args:

@@ -11,6 +11,7 @@ from lmforge.config.ckpt import CkptConfig, ResumeConfig
 from lmforge.config.data import DataConfig
 from lmforge.config.model import ModelConfig
 from lmforge.config.optim import OptimConfig, ScheduleConfig
+from lmforge.config.val import ValConfig
 from lmforge.config.wandb import WandbConfig
 
 
@@ -70,6 +71,9 @@ class TrainConfig(Section):
 
     resume: ResumeConfig = ResumeConfig()
     """Where the run continues from."""
+
+    val: ValConfig = ValConfig()
+    """Validation on held-out sets."""
 
     wandb: WandbConfig = WandbConfig()
     """Weights & Biases logging (off unless wandb.project is set)."""

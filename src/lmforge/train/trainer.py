@@ -193,6 +193,13 @@ class Trainer:
             ctx.rank, ctx.world_size, ctx.device, arch.model_type, f"{self.params['params/total']:,.0f}",
             model.attn_backend, f"resumed from {resume_from}" if resume_from else "from scratch",
         )  # fmt: skip
+        if config.val.sets:
+            from lmforge.train.validation import Validator
+
+            d = config.data
+            self.hooks.append(
+                Validator(config.val, d.seq_len, d.micro_batch_tokens, self.tokenizer, ctx.rank, ctx.world_size)
+            )
         self.monitors = Monitors([])
         self.console: ConsoleMonitor | None = None
         if ctx.is_main:
@@ -318,7 +325,8 @@ class Trainer:
                         hook.after_optimizer_step(self, self.step, metrics)
                 if self.console is not None:
                     self.console.update(self.step, metrics)
-                if saved or self.step % cfg.log.interval == 0 or self.step == cfg.max_steps or self.step == 1:
+                validated = "time/val" in metrics
+                if validated or saved or self.step % cfg.log.interval == 0 or self.step in (1, cfg.max_steps):
                     self.monitors.log(self.step, metrics)
                     self.log.info(format_line(self.step, cfg.max_steps, metrics))
                 last = time.perf_counter()  # a checkpoint's time is time/save_ckpt, not the next step's time/step

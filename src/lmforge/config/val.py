@@ -1,0 +1,36 @@
+"""`[val]`: held-out sets scored while training."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from lmforge.config.base import Section
+
+
+class ValSetConfig(Section):
+    """One held-out token folder."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    """Name of the set in metric keys: `val/<name>/<metric>@<length>`."""
+
+    path: str
+    """Folder of datatrove token shards (made with the run's tokenizer, e.g. `lmforge tokenize --holdout`)."""
+
+
+class ValConfig(Section):
+    """`[val]`: when and on what validation runs."""
+
+    interval: int | None = Field(default=None, ge=1)
+    """Score the sets every interval steps; unset: only at the end (with eval_on_end)."""
+
+    eval_on_end: bool = True
+    """Score the sets once more on the final weights, after the final checkpoint."""
+
+    seq_lens: list[int] = Field(default_factory=list)
+    """Context lengths to score at (each document cut into chunks of this many tokens); empty: data.seq_len."""
+
+    micro_batch_tokens: int | None = Field(default=None, ge=2)
+    """Tokens per scoring row; unset: data.micro_batch_tokens."""
+
+    sets: list[ValSetConfig] = Field(default_factory=list)
+    """Held-out token folders, each `{ name = "...", path = "..." }`."""

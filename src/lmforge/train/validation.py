@@ -1,0 +1,162 @@
+"""Validation on held-out token folders: loss, perplexity and bits per byte at several context lengths.
+
+Every document of a set is cut into consecutive chunks of L tokens (L in `val.seq_lens`); within a chunk each
+token after the first is scored given the ones before it, so every token of the set except the first of each chunk
+is scored exactly once. Chunks are packed as separate segments (document masking) into rows of exactly
+`val.micro_batch_tokens` inputs, padded with an unscored segment, so compiled blocks see one shape. Rows are dealt
+round-robin to the ranks; the sums are all-reduced, so results do not depend on the world size. The training
+model scores them (no copy) under `torch.no_grad`, with the LM head in fp32; nothing of the training state
+(weights, optimizer, data position, RNG) changes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lmforge.config.val import ValConfig
+from lmforge.data.batch import MicroBatch, Window, pack_windows
+from lmforge.data.shards import ShardPool
+from lmforge.data.tokenizer import TokenizerInfo
+from lmforge.model.loss import IGNORE_INDEX
+
+SCORING_CHUNK = 1024
+"""Tokens per LM-head chunk while scoring: fp32 logits without holding them all."""
+
+
+def token_bytes(tokenizer: TokenizerInfo) -> np.ndarray:
+    """UTF-8 bytes each token id stands for (0 for special tokens such as EOS).
+
+    With a byte-level tokenizer every character of a token's string encodes one byte, so the count is exact;
+    otherwise each token is decoded alone (exact for tokens that decode to whole characters)."""
+    tok = tokenizer.tokenizer
+    size = tok.get_vocab_size(with_added_tokens=True)
+    special = {int(i) for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    byte_level = "ByteLevel" in type(tok.decoder).__name__ if tok.decoder is not None else False
+    counts = np.zeros(size, dtype=np.int64)
+    for i in range(size):
+        if i in special:
+            continue
+        piece = tok.id_to_token(i)
+        if piece is None:
+            continue
+        counts[i] = len(piece) if byte_level else len(tok.decode([i]).encode("utf-8"))
+    return counts
+
+
+@dataclass
+class _Row:
+    batch: MicroBatch
+    scored_bytes: int
+
+
+def chunk_rows(tokens: np.ndarray, doc_starts: np.ndarray, seq_len: int, row_tokens: int,
+               nbytes: np.ndarray) -> list[_Row]:  # fmt: skip
+    """The scoring rows of one set at context length `seq_len` (see the module docstring)."""
+    bounds = np.concatenate([[0], doc_starts, [len(tokens)]]).astype(np.int64)
+    windows: list[Window] = []
+    for lo, hi in itertools.pairwise(bounds):
+        for start in range(int(lo), int(hi), seq_len):
+            chunk = tokens[start : min(start + seq_len, int(hi))]
+            if len(chunk) >= 2:
+                windows.append(Window(chunk, [len(chunk) - 1]))
+    rows: list[_Row] = []
+    current: list[Window] = []
+    used = 0
+    for w in [*windows, None]:
+        n = 0 if w is None else len(w.tokens) - 1
+        if current and (w is None or used + n > row_tokens):
+            pad = row_tokens - used
+            if pad:
+                current.append(Window(np.zeros(pad + 1, dtype=np.int64), [pad], np.zeros(pad, dtype=bool)))
+            batch = pack_windows(current)
+            scored = batch["target_ids"][batch["loss_mask"]].numpy()
+            rows.append(_Row(batch, int(nbytes[scored].sum())))
+            current, used = [], 0
+        if w is not None:
+            current.append(w)
+            used += n
+    return rows
+
+
+class Validator:
+    """Scores the configured held-out sets with the training model; a step hook of the trainer."""
+
+    def __init__(self, cfg: ValConfig, default_seq_len: int, default_row_tokens: int,
+                 tokenizer: TokenizerInfo | None, rank: int, world_size: int) -> None:  # fmt: skip
+        self.cfg = cfg
+        self.rank, self.world_size = rank, world_size
+        self.seq_lens = cfg.seq_lens or [default_seq_len]
+        row_tokens = cfg.micro_batch_tokens or default_row_tokens
+        if max(self.seq_lens) > row_tokens + 1:
+            raise ValueError(f"val.seq_lens {self.seq_lens} must not exceed val.micro_batch_tokens + 1 ({row_tokens})")
+        if tokenizer is None:
+            raise ValueError("val.sets needs tokenizer.name (bits per byte count the bytes each token stands for)")
+        nbytes = token_bytes(tokenizer)
+        self.rows: dict[tuple[str, int], list[_Row]] = {}
+        for s in cfg.sets:
+            pool = ShardPool([Path(s.path)])
+            tokens, doc_starts, _ = pool.read(0, pool.num_tokens)
+            for seq_len in self.seq_lens:
+                self.rows[(s.name, seq_len)] = chunk_rows(tokens, doc_starts, seq_len, row_tokens, nbytes)
+
+    def after_optimizer_step(self, trainer: object, step: int, metrics: dict[str, float]) -> None:
+        """Every `val.interval` steps, add the validation metrics to the step's."""
+        if self.cfg.interval and step % self.cfg.interval == 0:
+            metrics.update(self.evaluate(trainer.model, trainer.ctx.device))  # type: ignore[attr-defined]
+
+    def on_train_end(self, trainer: object) -> None:
+        """With `val.eval_on_end`, one round on the final weights, logged at the last step."""
+        if self.cfg.eval_on_end and not (self.cfg.interval and trainer.step % self.cfg.interval == 0):  # type: ignore[attr-defined]
+            metrics = self.evaluate(trainer.model, trainer.ctx.device)  # type: ignore[attr-defined]
+            trainer.monitors.log(trainer.step, metrics)  # type: ignore[attr-defined]
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]:
+        """One round over every set and context length; `val/<set>/{loss,ppl,bpb}@<L>` and `time/val`."""
+        t0 = time.perf_counter()
+        was_training, chunk = model.training, getattr(model, "loss_chunk_tokens", 0)
+        model.eval()
+        model.loss_chunk_tokens = SCORING_CHUNK  # fp32 logits, chunk by chunk
+        keys, sums = [], []
+        try:
+            for (name, seq_len), rows in self.rows.items():
+                loss = torch.zeros((), device=device, dtype=torch.float64)
+                tokens = scored_bytes = 0
+                # Every rank runs the same number of forwards (FSDP all-gathers in each); a rank without a row
+                # of its own scores a copy of row 0 and counts nothing from it.
+                for i in range(self.rank, self.rank + math.ceil(len(rows) / self.world_size) * self.world_size,
+                               self.world_size):  # fmt: skip
+                    own = i < len(rows)
+                    row = rows[i if own else 0]
+                    mb = {k: v if k == "seq_lens" else v.to(device) for k, v in row.batch.items()}
+                    targets = mb["target_ids"].masked_fill(~mb["loss_mask"], IGNORE_INDEX)
+                    value = model(mb["input_ids"], mb["position_ids"], mb["seq_lens"], targets=targets)
+                    if own:
+                        loss += value.double()
+                        tokens += int(row.batch["loss_mask"].sum())
+                        scored_bytes += row.scored_bytes
+                keys.append((name, seq_len))
+                counts = torch.tensor([float(tokens), float(scored_bytes)], device=device, dtype=torch.float64)
+                sums.append(torch.cat([loss.reshape(1), counts]))
+        finally:
+            model.loss_chunk_tokens = chunk
+            model.train(was_training)
+        total = torch.stack(sums) if sums else torch.zeros(0, 3, dtype=torch.float64, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(total)
+        out: dict[str, float] = {}
+        for (name, seq_len), (loss_sum, count, nbytes) in zip(keys, total.tolist(), strict=True):
+            mean = loss_sum / max(count, 1.0)
+            out[f"val/{name}/loss@{seq_len}"] = mean
+            out[f"val/{name}/ppl@{seq_len}"] = math.exp(min(mean, 80.0))
+            out[f"val/{name}/bpb@{seq_len}"] = loss_sum / (math.log(2) * nbytes) if nbytes else math.nan
+        out["time/val"] = time.perf_counter() - t0
+        return out

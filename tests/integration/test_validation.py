@@ -1,0 +1,74 @@
+"""Validation on held-out token folders: what is scored, bits per byte, world-size independence, and that it
+leaves training untouched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lmforge.data.tokenizer import load_tokenizer
+from lmforge.monitor import read_metrics
+from lmforge.prep.tokenizer_train import save_tokenizer_folder, train_bpe
+from lmforge.train.validation import chunk_rows, token_bytes
+from tests.integration.runner import losses, run_cli, write_config
+from tests.shards import random_docs, word_tokenizer, write_shard
+
+
+def test_every_token_but_each_chunks_first_is_scored_once() -> None:
+    docs = random_docs(30, seed=1)
+    tokens = np.concatenate([np.asarray(d) for d in docs]).astype(np.int64)
+    doc_starts = np.cumsum([len(d) for d in docs])[:-1]
+    nbytes = np.arange(300) % 7
+    for seq_len in (4, 16, 64):
+        rows = chunk_rows(tokens, doc_starts, seq_len, 64, nbytes)
+        chunks = sum(-(-len(d) // seq_len) for d in docs)  # a chunk of c tokens scores c - 1
+        scored = sum(int(r.batch["loss_mask"].sum()) for r in rows)
+        assert scored == len(tokens) - chunks
+        assert all(r.batch["input_ids"].shape == (1, 64) for r in rows)
+        assert max(int(s) for r in rows for s in r.batch["seq_lens"]) <= max(seq_len - 1, 64)
+        assert sum(r.scored_bytes for r in rows) == sum(
+            int(nbytes[r.batch["target_ids"][r.batch["loss_mask"]].numpy()].sum()) for r in rows
+        )
+
+
+def test_byte_level_token_bytes_add_up_to_the_text(tmp_path: Path) -> None:
+    texts = ["naïve café — 東京 and some plain words", "To be, or not to be: that is the question."]
+    save_tokenizer_folder(train_bpe(texts * 20, vocab_size=300), tmp_path / "tok")
+    info = load_tokenizer(tmp_path / "tok")
+    counts = token_bytes(info)
+    for text in texts:
+        ids = info.tokenizer.encode(text).ids
+        assert int(counts[ids].sum()) == len(text.encode("utf-8"))
+    assert counts[info.eos_id] == 0
+
+
+@pytest.mark.slow
+def test_validation_is_world_size_independent_and_leaves_training_alone(tmp_path: Path) -> None:
+    tok = word_tokenizer(tmp_path / "tok")
+    write_shard(tmp_path / "heldout", "00000", random_docs(60, seed=5))
+    cfg = write_config(tmp_path, "base", max_steps=6)
+    val = ["--tokenizer.name", str(tok), "--val.interval", "3", "--val.seq-lens", "[16, 64]",
+           "--val.sets", f'[{{name = "held", path = "{tmp_path / "heldout"}"}}]']  # fmt: skip
+    runs = {}
+    at_end = [f for f in val if f not in ("--val.interval", "3")]
+    for name, flags, nproc in (("plain", [], 1), ("val1", val, 1), ("val2", val, 2), ("end", at_end, 1)):
+        out = tmp_path / name
+        result = run_cli(["train", "@", str(cfg), "--tokenizer.name", str(tok), "--output-dir", str(out), *flags],
+                         nproc=nproc)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = out
+    # Validation does not change training: same losses, bit for bit.
+    assert losses(runs["val1"]) == losses(runs["plain"])
+    records = {n: [r for r in read_metrics(p / "metrics.jsonl") if "time/val" in r] for n, p in runs.items()}
+    assert [r["step"] for r in records["val1"]] == [3, 6] and records["plain"] == []
+    # eval_on_end alone: one round on the final weights, the same ones val1 scored at step 6.
+    assert [r["step"] for r in records["end"]] == [6]
+    assert records["end"][0]["val/held/loss@64"] == records["val1"][-1]["val/held/loss@64"]
+    for one, two in zip(records["val1"], records["val2"], strict=True):
+        for key in ("val/held/loss@16", "val/held/loss@64", "val/held/bpb@16", "val/held/ppl@64"):
+            assert one[key] == pytest.approx(two[key], rel=1e-5, abs=1e-5), key
+    last = records["val1"][-1]
+    assert last["val/held/loss@64"] < last["val/held/loss@16"] + 0.5  # a longer context does not hurt much
+    assert last["val/held/ppl@64"] == pytest.approx(np.exp(last["val/held/loss@64"]))
