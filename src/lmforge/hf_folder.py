@@ -15,7 +15,13 @@ import torch
 from lmforge.data.tokenizer import TokenizerInfo, load_tokenizer
 from lmforge.model import build_model
 from lmforge.model.config import LlamaArch, Qwen3Arch
-from lmforge.model.hf_config import HFModelError, arch_to_hf_config, generation_config, read_hf_config
+from lmforge.model.hf_config import (
+    HFModelError,
+    HFModelInfo,
+    arch_to_hf_config,
+    generation_config,
+    read_hf_config,
+)
 from lmforge.model.hf_weights import load_hf_weights, write_safetensors
 from lmforge.model.llama import CausalLM
 from lmforge.train.checkpoint import MODEL_FILES, CheckpointError, find_checkpoint, load_model_weights
@@ -79,14 +85,20 @@ def load_pretrained(path: Path, device: torch.device | str = "cpu") -> tuple[Cau
         files = _checkpoint_of(path) / MODEL_FILES
     else:
         raise HFModelError(f"{path}: not a model folder, run directory or checkpoint")
-    info = read_hf_config(files)
-    model = build_model(info.arch, info.vocab_size, "sdpa", torch.device("cpu"))
-    if files is path:
-        load_hf_weights(model, path)
-    else:
-        load_model_weights(files.parent, model)
+    model, _ = _model_from(files, checkpoint=files is not path)
     tokenizer = load_tokenizer(files) if (files / "tokenizer.json").is_file() else None
     return model.to(device).eval(), tokenizer
+
+
+def _model_from(files: Path, checkpoint: bool) -> tuple[CausalLM, HFModelInfo]:
+    # `files` holds config.json; the weights are its safetensors, or the DCP shards of the checkpoint around it.
+    info = read_hf_config(files)
+    model = build_model(info.arch, info.vocab_size, "sdpa", torch.device("cpu"))
+    if checkpoint:
+        load_model_weights(files.parent, model)
+    else:
+        load_hf_weights(model, files)
+    return model, info
 
 
 def export_model(source: Path, output: Path, dtype: str = "bfloat16", max_shard_bytes: int = 5 * 2**30) -> Path:
@@ -100,9 +112,7 @@ def export_model(source: Path, output: Path, dtype: str = "bfloat16", max_shard_
         raise FileExistsError(f"{output} exists and is not empty; choose another --output or remove it")
     ckpt = _checkpoint_of(source)
     files = ckpt / MODEL_FILES
-    info = read_hf_config(files)
-    model = build_model(info.arch, info.vocab_size, "sdpa", torch.device("cpu"))
-    load_model_weights(ckpt, model)
+    model, info = _model_from(files, checkpoint=True)
     tensors = {name: t.detach().to(DTYPES[dtype]) for name, t in model.state_dict().items()}
     if info.arch.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # HF ties it to the embedding on load

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -89,8 +90,6 @@ def prepare_output_dir(config: TrainConfig, overwrite: bool) -> Path | None:
     A used output_dir is refused unless the run resumes from its own checkpoints (its metrics after the resumed
     step are dropped) or `overwrite` starts it over (its metrics and checkpoints are deleted).
     """
-    import shutil
-
     out = Path(config.output_dir)
     metrics = out / "metrics.jsonl"
     resume = config.resume

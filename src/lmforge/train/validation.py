@@ -132,8 +132,8 @@ class Validator:
                 tokens = scored_bytes = 0
                 # Every rank runs the same number of forwards (FSDP all-gathers in each); a rank without a row
                 # of its own scores a copy of row 0 and counts nothing from it.
-                for i in range(self.rank, self.rank + math.ceil(len(rows) / self.world_size) * self.world_size,
-                               self.world_size):  # fmt: skip
+                for turn in range(math.ceil(len(rows) / self.world_size)):
+                    i = turn * self.world_size + self.rank
                     own = i < len(rows)
                     row = rows[i if own else 0]
                     mb = {k: v if k == "seq_lens" else v.to(device) for k, v in row.batch.items()}
