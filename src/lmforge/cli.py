@@ -113,6 +113,7 @@ COMMANDS = {
     "plot": "overlay metric curves of runs in an image (lmforge plot RUN_DIR ... -o curves.png)",
     "report": "write a self-contained HTML report of a run",
     "demo": "pretrain a small Llama on Shakespeare, prepared locally",
+    "chat-set": "write a small chat SFT set (train/val JSONL) made from Shakespeare's plays",
 }
 
 
@@ -157,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         from lmforge.demo import demo_main
 
         return demo_main(rest)
+    if command == "chat-set":
+        from lmforge.prep.chat_set import chat_set_main
+
+        return chat_set_main(rest)
     _err(f"unknown command {' '.join(argv[:2])!r}\n{_usage()}")
     return 2
 

@@ -17,7 +17,13 @@ def sample_main(argv: list[str]) -> int:
         "checkpoint) or a checkpoints/step_N folder, on the CPU or a GPU.",
     )
     parser.add_argument("model", type=Path, help="HF model folder, run directory or checkpoint folder")
-    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--prompt", required=True, help="text to continue (with --chat: the user's message)")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="render the prompt as a user turn with the tokenizer's chat template and print the assistant's reply, "
+        "which ends at EOS or any other special token",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
     parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
     parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold (1 = off)")
@@ -41,13 +47,26 @@ def sample_main(argv: list[str]) -> int:
     if tokenizer is None:
         _err(f"{args.model} has no tokenizer files: cannot turn the prompt into tokens")
         return 2
-    # Encoded as the training data was: the tokenizer's own post-processor decides whether a BOS comes first.
-    ids = tokenizer.tokenizer.encode(args.prompt).ids
-    if not ids:
+    if not args.prompt:
         _err("--prompt is empty: give the text to continue")
         return 2
+    stop = {tokenizer.eos_id}
+    if args.chat:
+        from lmforge.data.chat import ChatError, ChatTemplate
+
+        try:
+            text = ChatTemplate.of(tokenizer).render([{"role": "user", "content": args.prompt}], True)
+        except ChatError as e:
+            _err(str(e))
+            return 2
+        # The template writes its own special tokens; a reply ends at the first special token it generates.
+        ids = tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+        stop |= {int(i) for i, t in tokenizer.tokenizer.get_added_tokens_decoder().items() if t.special}
+    else:
+        # Encoded as the training data was: the tokenizer's own post-processor decides whether a BOS comes first.
+        ids = tokenizer.tokenizer.encode(args.prompt).ids
+        sys.stdout.write(args.prompt)
     stream = TextStream(tokenizer.tokenizer)
-    sys.stdout.write(args.prompt)
     tokens = generate(
         model,
         ids,
@@ -55,10 +74,10 @@ def sample_main(argv: list[str]) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,
-        eos_id=tokenizer.eos_id,
+        eos_id=stop,
     )
     for token in tokens:
-        if token == tokenizer.eos_id:
+        if token in stop:
             break
         sys.stdout.write(stream.push(token))
         sys.stdout.flush()

@@ -69,4 +69,4 @@ def run_cli(
 
 def losses(run_dir: Path) -> list[float]:
     """Per-step loss/mean of a finished run."""
-    return [r["loss/mean"] for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] > 0]
+    return [r["loss/mean"] for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] > 0 and "loss/mean" in r]

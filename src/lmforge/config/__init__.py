@@ -6,7 +6,7 @@ from pathlib import Path
 
 from lmforge.config.checks import check_config
 from lmforge.config.ckpt import CkptConfig, ResumeConfig
-from lmforge.config.data import DataConfig, FakeDataConfig, TokensDataConfig
+from lmforge.config.data import DataConfig, FakeDataConfig, SFTDataConfig, TokensDataConfig
 from lmforge.config.loader import ConfigError, RawConfig, compose, dump_toml, validate
 from lmforge.config.model import ACConfig, InitConfig, ModelConfig
 from lmforge.config.optim import AdamWConfig, MuonConfig, OptimConfig, ScheduleConfig
@@ -27,6 +27,7 @@ __all__ = [
     "OptimConfig",
     "RawConfig",
     "ResumeConfig",
+    "SFTDataConfig",
     "ScheduleConfig",
     "TokenizerConfig",
     "TokensDataConfig",

@@ -39,6 +39,10 @@ def config_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
         )
     if data.type == "tokens" and config.tokenizer.name is None:
         problems.append(("tokenizer.name", "required with data.type = 'tokens' (the shards' tokenizer)"))
+    if data.type == "sft" and config.tokenizer.name is None:
+        problems.append(("tokenizer.name", "required with data.type = 'sft' (or set model.name to a folder with one)"))
+    if config.val.data and data.type != "sft":
+        problems.append(("val.data", f"held-out samples need data.type = 'sft' (data.type is {data.type!r})"))
     return problems
 
 

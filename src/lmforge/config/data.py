@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from lmforge.config.base import Section
 
@@ -59,5 +59,37 @@ class TokensDataConfig(BatchFields):
     """Passes over the pool the run may make; a run that needs more fails at startup."""
 
 
-DataConfig = Annotated[FakeDataConfig | TokensDataConfig, Field(discriminator="type")]
+Role = Literal["system", "user", "assistant", "tool"]
+"""A conversation role whose tokens `data.loss_mask` can select."""
+
+
+class SFTDataConfig(BatchFields):
+    """`data.type = "sft"`: chat (`messages`) or `prompt`/`completion` samples, one segment each, packed."""
+
+    type: Literal["sft"] = "sft"
+    """Data type: supervised fine-tuning samples."""
+
+    paths: list[str] = Field(min_length=1)
+    """JSONL or Parquet files, folders of them, or folders written by HF datasets' `save_to_disk`, read in order."""
+
+    loss_mask: list[Role] = Field(default_factory=lambda: ["assistant"], min_length=1)
+    """Roles whose tokens count toward the loss. A plain-text prompt is a `user` turn, a plain-text completion an
+    `assistant` turn; an assistant turn's header (the generation prompt) never counts."""
+
+    overlong: Literal["truncate", "drop"] = "truncate"
+    """A sample of more than seq_len + 1 tokens is cut to its first seq_len + 1 tokens (`truncate`) or left out
+    (`drop`); either way it is counted in `data/overlong`."""
+
+    max_epochs: int = Field(default=1, ge=1)
+    """Passes over the samples the run may make; a run whose max_steps needs more fails at startup, naming the
+    number of steps the data gives."""
+
+    @model_validator(mode="after")
+    def _one_segment_per_sample(self) -> SFTDataConfig:
+        if not self.document_masking:
+            raise ValueError("document_masking = false would let packed samples attend to each other; sft keeps it on")
+        return self
+
+
+DataConfig = Annotated[FakeDataConfig | TokensDataConfig | SFTDataConfig, Field(discriminator="type")]
 """Any data type, chosen by its `type` field."""

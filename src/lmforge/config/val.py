@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from lmforge.config.base import Section
 
@@ -34,3 +34,12 @@ class ValConfig(Section):
 
     sets: list[ValSetConfig] = Field(default_factory=list)
     """Held-out token folders, each `{ name = "...", path = "..." }`."""
+
+    data: list[str] = Field(default_factory=list)
+    """SFT's held-out samples (data.type = "sft"): files or folders in the forms data.paths takes, read with the
+    same loss_mask and overlong rule; scored as `val/loss` and `val/perplexity` over their loss tokens."""
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _one_path(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value

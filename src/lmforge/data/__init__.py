@@ -5,7 +5,9 @@ from __future__ import annotations
 from lmforge.config.data import DataConfig
 from lmforge.data.base import StepData
 from lmforge.data.batch import MicroBatch, StepLayout, Window, pack_windows
+from lmforge.data.chat import ChatError
 from lmforge.data.fake import FakeData
+from lmforge.data.sft import SFTData, SFTDataError
 from lmforge.data.shards import ShardError
 from lmforge.data.tokenizer import TokenizerError, TokenizerInfo, load_tokenizer
 from lmforge.data.tokens import TokenData
@@ -13,6 +15,8 @@ from lmforge.data.tokens import TokenData
 __all__ = [
     "DataError",
     "MicroBatch",
+    "SFTData",
+    "SFTDataError",
     "ShardError",
     "StepData",
     "StepLayout",
@@ -24,7 +28,7 @@ __all__ = [
     "pack_windows",
 ]
 
-DataError = (ShardError, TokenizerError)
+DataError = (ShardError, TokenizerError, SFTDataError, ChatError)
 """Errors in the data or tokenizer a run was given: reported as a message, not a traceback."""
 
 
@@ -36,4 +40,8 @@ def build_step_data(cfg: DataConfig, rank: int, world_size: int, tokenizer: Toke
         if tokenizer is None:
             raise TokenizerError("data.type = 'tokens' needs tokenizer.name")
         return TokenData(cfg, rank, world_size, tokenizer)
+    if cfg.type == "sft":
+        if tokenizer is None:
+            raise TokenizerError("data.type = 'sft' needs tokenizer.name")
+        return SFTData(cfg, rank, world_size, tokenizer)
     raise ValueError(f"unknown data type {cfg.type!r}")

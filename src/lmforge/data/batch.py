@@ -43,6 +43,11 @@ def segments_from_doc_starts(starts: Sequence[int], seq_len: int) -> list[int]:
     return [b - a for a, b in itertools.pairwise(cuts) if b > a]
 
 
+def padding_window(n: int) -> Window:
+    """`n` unscored positions as a segment of their own: fills a micro-batch up to its fixed length."""
+    return Window(np.zeros(n + 1, dtype=np.int64), [n], np.zeros(n, dtype=bool))
+
+
 def pack_windows(windows: Sequence[Window]) -> MicroBatch:
     """Concatenate windows into one micro-batch; each window's segments stay separate segments."""
     if not windows:

@@ -1,7 +1,9 @@
 """Local tokenizers: a folder with `tokenizer.json` (and `tokenizer_config.json`), or a `tokenizer.json` file.
 
 Loaded with HF `tokenizers`, never from a hub. The special-token ids (BOS, EOS, pad) come from
-`tokenizer_config.json` when the folder has one, else from the usual token names.
+`tokenizer_config.json` when the folder has one, else from the usual token names. The chat template is the
+folder's `chat_template.jinja` file, else the `chat_template` entry of `tokenizer_config.json` (where transformers
+keeps it too).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class TokenizerInfo:
     """Beginning-of-sequence id, if the tokenizer has one."""
     pad_id: int | None
     """Padding id, if the tokenizer has one."""
+    chat_template: str | None = None
+    """The Jinja chat template that renders a list of messages as text, if the tokenizer has one."""
 
     @property
     def size(self) -> int:
@@ -45,6 +49,11 @@ class TokenizerInfo:
     def eos_token(self) -> str:
         """The EOS token's text."""
         return str(self.tokenizer.id_to_token(self.eos_id))
+
+    @property
+    def bos_token(self) -> str | None:
+        """The BOS token's text, if the tokenizer has one."""
+        return None if self.bos_id is None else str(self.tokenizer.id_to_token(self.bos_id))
 
 
 def _token_text(value: object) -> str | None:
@@ -82,4 +91,15 @@ def load_tokenizer(name: str | Path) -> TokenizerInfo:
         )
     bos = _find(tok, _token_text(config.get("bos_token")), _BOS_NAMES)
     pad = _find(tok, _token_text(config.get("pad_token")), _PAD_NAMES)
-    return TokenizerInfo(file, tok, eos, bos, pad)
+    return TokenizerInfo(file, tok, eos, bos, pad, _chat_template(file.parent, config))
+
+
+def _chat_template(folder: Path, config: dict[str, object]) -> str | None:
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the one called "default" renders plain conversations
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None

@@ -7,7 +7,7 @@ past keys and values from the cache instead of recomputing them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -148,13 +148,13 @@ def generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     seed: int = 0,
-    eos_id: int | None = None,
+    eos_id: int | Collection[int] | None = None,
 ) -> Iterator[int]:
     """Yield up to `max_new_tokens` generated ids, one at a time, continuing `prompt_ids`.
 
-    Stops after `eos_id` (which is yielded), after `max_new_tokens`, or when the sequence reaches the
-    model's `max_position_embeddings`. The same seed gives the same tokens. Arguments are checked here,
-    before the first token is asked for.
+    Stops after `eos_id` (one id or several; the one generated is yielded), after `max_new_tokens`, or when the
+    sequence reaches the model's `max_position_embeddings`. The same seed gives the same tokens. Arguments are
+    checked here, before the first token is asked for.
     """
     if not prompt_ids:
         raise ValueError("prompt_ids is empty: generation needs at least one token to continue")
@@ -169,7 +169,8 @@ def generate(
     if len(prompt_ids) > limit:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens, more than max_position_embeddings {limit}")
     budget = min(max_new_tokens, limit - len(prompt_ids))
-    return _generate(model, prompt_ids, budget, temperature, top_p, seed, eos_id)
+    stop = frozenset(() if eos_id is None else (eos_id,) if isinstance(eos_id, int) else eos_id)
+    return _generate(model, prompt_ids, budget, temperature, top_p, seed, stop)
 
 
 def _generate(
@@ -179,7 +180,7 @@ def _generate(
     temperature: float,
     top_p: float,
     seed: int,
-    eos_id: int | None,
+    stop: frozenset[int],
 ) -> Iterator[int]:
     if budget == 0:
         return
@@ -191,7 +192,7 @@ def _generate(
     for n in range(budget):
         token = sample_next(logits, temperature, top_p, generator)
         yield token
-        if token == eos_id or n == budget - 1:
+        if token in stop or n == budget - 1:
             return
         logits = forward_with_cache(model, torch.tensor([token], dtype=torch.long, device=device), cache)[-1]
 

@@ -22,7 +22,11 @@ def format_line(step: int, max_steps: int, m: dict[str, float]) -> str:
     ):
         if key in m and (key not in ("loss/nan_count", "loss/spike", "optim/grad_norm_spike") or m[key]):
             parts.append(f"{label} {fmt.format(m[key])}".rstrip())
-    parts += [f"{key} {value:.4f}" for key, value in m.items() if key.startswith("val/") and "/loss@" in key]
+    parts += [
+        f"{key} {value:.4f}"
+        for key, value in m.items()
+        if key == "val/loss" or (key.startswith("val/") and "/loss@" in key)
+    ]
     return " | ".join(parts)
 
 

@@ -20,6 +20,7 @@ from lmforge.config.train import TrainConfig
 from lmforge.data import TokenizerInfo, build_step_data, load_tokenizer
 from lmforge.data.batch import MicroBatch
 from lmforge.data.prefetch import Prefetcher
+from lmforge.data.sft import SFTData, describe
 from lmforge.data.tokens import TokenData
 from lmforge.model import build_model
 from lmforge.model.completep import role_scales
@@ -170,6 +171,13 @@ class Trainer:
         self.data = Prefetcher(source, pin_memory=ctx.device.type == "cuda")
         if "data" in state:
             self.data.load_state_dict(state["data"])
+        self.data_stats: dict[str, float] = {}
+        if isinstance(source, SFTData):
+            source.check_budget(config.max_steps, self.step)
+            stats = source.samples.stats
+            self.data_stats = {"data/samples": float(len(source.samples)), "data/overlong": float(stats.overlong),
+                               "data/no_loss_skipped": float(stats.no_loss)}  # fmt: skip
+            self.data_line = f"data: {describe(stats, len(source.samples))}"
         if ctx.is_main:
             from lmforge.hf_folder import write_model_files
 
@@ -192,13 +200,10 @@ class Trainer:
             ctx.rank, ctx.world_size, ctx.device, arch.model_type, f"{self.params['params/total']:,.0f}",
             model.attn_backend, f"resumed from {resume_from}" if resume_from else "from scratch",
         )  # fmt: skip
-        if config.val.sets:
+        if config.val.sets or config.val.data:
             from lmforge.train.validation import Validator
 
-            d = config.data
-            self.hooks.append(
-                Validator(config.val, d.seq_len, d.micro_batch_tokens, self.tokenizer, ctx.rank, ctx.world_size)
-            )
+            self.hooks.append(Validator(config.val, config.data, self.tokenizer, ctx.rank, ctx.world_size))
         self.monitors = Monitors([])
         self.console: ConsoleMonitor | None = None
         if ctx.is_main:
@@ -262,6 +267,7 @@ class Trainer:
             "loss/mean": loss,
             "loss/perplexity": perplexity(loss) if math.isfinite(loss) else math.nan,
             "loss/nan_count": sums["nan_count"],
+            "loss/tokens": sums["loss_tokens"],
             "loss/spike": float(self.loss_spikes.update(loss)),
             "optim/lr": self.config.optim.lr * multiplier,
             "optim/grad_norm": grad_norm,
@@ -303,7 +309,11 @@ class Trainer:
         stop = StopRequest()
         stop.install()
         if self.step == 0:
-            self.monitors.log(0, dict(self.params))
+            self.monitors.log(0, {**self.params, **self.data_stats})
+        if self.data_stats:
+            self.log.info(self.data_line)
+            if self.console is not None:
+                self.console.console.print(self.data_line, highlight=False, soft_wrap=True)
         last = time.perf_counter()
         try:
             while self.step < cfg.max_steps:

@@ -1,9 +1,11 @@
-"""Validation on held-out token folders: loss, perplexity and bits per byte at several context lengths.
+"""Validation on held-out token folders (loss, perplexity and bits per byte at several context lengths) and on
+SFT's held-out samples (`val.data`: loss and perplexity over their loss tokens).
 
 Every document of a set is cut into consecutive chunks of L tokens (L in `val.seq_lens`); within a chunk each
 token after the first is scored given the ones before it, so every token of the set except the first of each chunk
 is scored exactly once. Chunks are packed as separate segments (document masking) into rows of exactly
-`val.micro_batch_tokens` inputs, padded with an unscored segment, so compiled blocks see one shape. Rows are dealt
+`val.micro_batch_tokens` inputs, padded with an unscored segment, so compiled blocks see one shape. Held-out SFT
+samples are packed in file order the way training packs them (one segment each, unscored padding). Rows are dealt
 round-robin to the ranks; the sums are all-reduced, so results do not depend on the world size. The training
 model scores them (no copy) under `torch.no_grad`, with the LM head in fp32; nothing of the training state
 (weights, optimizer, data position, RNG) changes.
@@ -21,8 +23,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lmforge.config.data import DataConfig, SFTDataConfig
+from lmforge.config.loader import ConfigError
 from lmforge.config.val import ValConfig
-from lmforge.data.batch import MicroBatch, Window, pack_windows
+from lmforge.data.batch import MicroBatch, Window, pack_windows, padding_window
+from lmforge.data.packing import fill_bins
+from lmforge.data.sft import SampleSet, load_samples
 from lmforge.data.shards import ShardPool
 from lmforge.data.tokenizer import TokenizerInfo
 from lmforge.model.loss import IGNORE_INDEX
@@ -75,7 +81,7 @@ def chunk_rows(tokens: np.ndarray, doc_starts: np.ndarray, seq_len: int, row_tok
         if current and (w is None or used + n > row_tokens):
             pad = row_tokens - used
             if pad:
-                current.append(Window(np.zeros(pad + 1, dtype=np.int64), [pad], np.zeros(pad, dtype=bool)))
+                current.append(padding_window(pad))
             batch = pack_windows(current)
             scored = batch["target_ids"][batch["loss_mask"]].numpy()
             rows.append(_Row(batch, int(nbytes[scored].sum())))
@@ -86,26 +92,44 @@ def chunk_rows(tokens: np.ndarray, doc_starts: np.ndarray, seq_len: int, row_tok
     return rows
 
 
+def sample_rows(samples: SampleSet, row_tokens: int) -> list[_Row]:
+    """Held-out SFT samples packed in order into scoring rows of `row_tokens` positions."""
+    bins = fill_bins(samples.positions.tolist(), row_tokens)
+    return [_Row(samples.micro_batch(b, row_tokens), 0) for b in bins]
+
+
+SAMPLES = -1
+"""The context-length slot of SFT's held-out samples, which are scored whole."""
+
+
 class Validator:
     """Scores the configured held-out sets with the training model; a step hook of the trainer."""
 
-    def __init__(self, cfg: ValConfig, default_seq_len: int, default_row_tokens: int,
-                 tokenizer: TokenizerInfo | None, rank: int, world_size: int) -> None:  # fmt: skip
+    def __init__(self, cfg: ValConfig, data: DataConfig, tokenizer: TokenizerInfo | None, rank: int,
+                 world_size: int) -> None:  # fmt: skip
+        """Read and chunk every set once; `data` gives the defaults and, for `val.data`, the sample rules."""
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
-        self.seq_lens = cfg.seq_lens or [default_seq_len]
-        row_tokens = cfg.micro_batch_tokens or default_row_tokens
+        self.seq_lens = cfg.seq_lens or [data.seq_len]
+        row_tokens = cfg.micro_batch_tokens or data.micro_batch_tokens
         if max(self.seq_lens) > row_tokens + 1:
-            raise ValueError(f"val.seq_lens {self.seq_lens} must not exceed val.micro_batch_tokens + 1 ({row_tokens})")
+            raise ConfigError(f"val.seq_lens {self.seq_lens} must not exceed val.micro_batch_tokens + 1 ({row_tokens})")
         if tokenizer is None:
-            raise ValueError("val.sets needs tokenizer.name (bits per byte count the bytes each token stands for)")
-        nbytes = token_bytes(tokenizer)
+            raise ConfigError("validation needs tokenizer.name (bits per byte count the bytes each token stands for)")
         self.rows: dict[tuple[str, int], list[_Row]] = {}
+        if cfg.sets:
+            nbytes = token_bytes(tokenizer)
         for s in cfg.sets:
             pool = ShardPool([Path(s.path)])
             tokens, doc_starts, _ = pool.read(0, pool.num_tokens)
             for seq_len in self.seq_lens:
                 self.rows[(s.name, seq_len)] = chunk_rows(tokens, doc_starts, seq_len, row_tokens, nbytes)
+        if cfg.data:
+            assert isinstance(data, SFTDataConfig), "val.data needs data.type = 'sft' (checked with the config)"
+            if row_tokens < data.seq_len:
+                raise ConfigError(f"val.micro_batch_tokens ({row_tokens}) must hold a sample of data.seq_len tokens")
+            self.samples = load_samples(cfg.data, tokenizer, data)
+            self.rows[("", SAMPLES)] = sample_rows(self.samples, row_tokens)
 
     def after_optimizer_step(self, trainer: object, step: int, metrics: dict[str, float]) -> None:
         """Every `val.interval` steps, add the validation metrics to the step's."""
@@ -120,7 +144,8 @@ class Validator:
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]:
-        """One round over every set and context length; `val/<set>/{loss,ppl,bpb}@<L>` and `time/val`."""
+        """One round over every set and context length: `val/<set>/{loss,ppl,bpb}@<L>`, `val/loss` and
+        `val/perplexity` (held-out samples), and `time/val`."""
         t0 = time.perf_counter()
         was_training, chunk = model.training, getattr(model, "loss_chunk_tokens", 0)
         model.eval()
@@ -155,6 +180,9 @@ class Validator:
         out: dict[str, float] = {}
         for (name, seq_len), (loss_sum, count, nbytes) in zip(keys, total.tolist(), strict=True):
             mean = loss_sum / max(count, 1.0)
+            if seq_len == SAMPLES:
+                out["val/loss"], out["val/perplexity"] = mean, math.exp(min(mean, 80.0))
+                continue
             out[f"val/{name}/loss@{seq_len}"] = mean
             out[f"val/{name}/ppl@{seq_len}"] = math.exp(min(mean, 80.0))
             out[f"val/{name}/bpb@{seq_len}"] = loss_sum / (math.log(2) * nbytes) if nbytes else math.nan
