@@ -45,6 +45,7 @@ def train_command(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from lmforge.data import DataError
+    from lmforge.eval.sets import EvalSetError
     from lmforge.model.hf_config import HFModelError
     from lmforge.train.checkpoint import CheckpointError
     from lmforge.train.parallel import init_distributed, shutdown_distributed
@@ -68,7 +69,7 @@ def train_command(argv: list[str]) -> int:
         resume_from = None if shared[1] is None else Path(str(shared[1]))
         try:
             trainer = Trainer(config, ctx, resume_from=resume_from)
-        except (ConfigError, CheckpointError, HFModelError, *DataError) as e:
+        except (ConfigError, CheckpointError, HFModelError, EvalSetError, *DataError) as e:
             _err(str(e))
             return 2
         trainer.train()
@@ -114,6 +115,7 @@ COMMANDS = {
     "report": "write a self-contained HTML report of a run",
     "demo": "pretrain a small Llama on Shakespeare, prepared locally",
     "chat-set": "write a small chat SFT set (train/val JSONL) made from Shakespeare's plays",
+    "val-sets": "convert lm-evaluation-harness-style JSONL into ctxcont / pairs eval set files",
 }
 
 
@@ -158,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         from lmforge.demo import demo_main
 
         return demo_main(rest)
+    if command == "val-sets":
+        from lmforge.prep.val_sets import val_sets_main
+
+        return val_sets_main(rest)
     if command == "chat-set":
         from lmforge.prep.chat_set import chat_set_main
 

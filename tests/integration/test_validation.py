@@ -12,6 +12,7 @@ from lmforge.data.tokenizer import load_tokenizer
 from lmforge.monitor import read_metrics
 from lmforge.prep.tokenizer_train import save_tokenizer_folder, train_bpe
 from lmforge.train.validation import chunk_rows, token_bytes
+from tests.chat import write_jsonl
 from tests.integration.runner import losses, run_cli, write_config
 from tests.shards import random_docs, word_tokenizer, write_shard
 
@@ -48,9 +49,19 @@ def test_byte_level_token_bytes_add_up_to_the_text(tmp_path: Path) -> None:
 def test_validation_is_world_size_independent_and_leaves_training_alone(tmp_path: Path) -> None:
     tok = word_tokenizer(tmp_path / "tok")
     write_shard(tmp_path / "heldout", "00000", random_docs(60, seed=5))
+    sets = tmp_path / "sets"
+    rng = np.random.default_rng(0)
+    words = lambda n: " ".join(f"w{i}" for i in rng.integers(1, 200, size=n))  # noqa: E731
+    write_jsonl(sets / "words.ppl.jsonl", [{"text": words(int(n))} for n in rng.integers(3, 40, size=12)])
+    quiz = [
+        {"context": words(5), "continuations": [" " + words(2) for _ in range(3)], "label": i % 3} for i in range(9)
+    ]
+    write_jsonl(sets / "quiz.ctxcont.jsonl", quiz)
+    write_jsonl(sets / "minimal.pairs.jsonl", [{"good": words(4), "bad": words(4)} for _ in range(7)])
     cfg = write_config(tmp_path, "base", max_steps=6)
-    val = ["--tokenizer.name", str(tok), "--val.interval", "3", "--val.seq-lens", "[16, 64]",
-           "--val.sets", f'[{{name = "held", path = "{tmp_path / "heldout"}"}}]']  # fmt: skip
+    val = ["--tokenizer.name", str(tok), "--val.interval", "3", "--val.seq-lens", "[16, 64]", "--val.data-dir",
+           str(sets), "--val.save-arrays", "--val.sets",
+           f'[{{name = "held", path = "{tmp_path / "heldout"}"}}, "words", "quiz", "minimal"]']  # fmt: skip
     runs = {}
     at_end = [f for f in val if f not in ("--val.interval", "3")]
     for name, flags, nproc in (("plain", [], 1), ("val1", val, 1), ("val2", val, 2), ("end", at_end, 1)):
@@ -66,9 +77,17 @@ def test_validation_is_world_size_independent_and_leaves_training_alone(tmp_path
     # eval_on_end alone: one round on the final weights, the same ones val1 scored at step 6.
     assert [r["step"] for r in records["end"]] == [6]
     assert records["end"][0]["val/held/loss@64"] == records["val1"][-1]["val/held/loss@64"]
+    keys = ["val/held/loss@16", "val/held/loss@64", "val/held/bpb@16", "val/held/ppl@64", "val/words/loss@16",
+            "val/words/bpb@64", "val/quiz/acc@16", "val/quiz/acc_norm@64", "val/minimal/acc@64"]  # fmt: skip
     for one, two in zip(records["val1"], records["val2"], strict=True):
-        for key in ("val/held/loss@16", "val/held/loss@64", "val/held/bpb@16", "val/held/ppl@64"):
+        for key in keys:
             assert one[key] == pytest.approx(two[key], rel=1e-5, abs=1e-5), key
+    arrays = np.load(runs["val1"] / "val_arrays" / "step_6" / "quiz@64.npz")
+    assert arrays["loglik"].shape == (27,) and (arrays["loglik"] < 0).all()
+    assert arrays["label"].tolist() == [i % 3 for i in range(9)]
+    by_item = arrays["loglik"].reshape(9, 3)
+    assert records["val1"][-1]["val/quiz/acc@64"] == pytest.approx(np.mean(by_item.argmax(1) == arrays["label"]))
+    assert (runs["val2"] / "val_arrays" / "step_3" / "minimal@16.npz").is_file(), "rank 0 writes them on 2 ranks too"
     last = records["val1"][-1]
     assert last["val/held/loss@64"] < last["val/held/loss@16"] + 0.5  # a longer context does not hurt much
     assert last["val/held/ppl@64"] == pytest.approx(np.exp(last["val/held/loss@64"]))

@@ -41,6 +41,9 @@ def config_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
         problems.append(("tokenizer.name", "required with data.type = 'tokens' (the shards' tokenizer)"))
     if data.type == "sft" and config.tokenizer.name is None:
         problems.append(("tokenizer.name", "required with data.type = 'sft' (or set model.name to a folder with one)"))
+    named = [s for s in config.val.sets if isinstance(s, str)]
+    if named and config.val.data_dir is None:
+        problems.append(("val.sets", f"{named} name set files, which need val.data_dir (the folder holding them)"))
     if config.val.data and data.type != "sft":
         problems.append(("val.data", f"held-out samples need data.type = 'sft' (data.type is {data.type!r})"))
     return problems

@@ -32,8 +32,17 @@ class ValConfig(Section):
     micro_batch_tokens: int | None = Field(default=None, ge=2)
     """Tokens per scoring row; unset: data.micro_batch_tokens."""
 
-    sets: list[ValSetConfig] = Field(default_factory=list)
-    """Held-out token folders, each `{ name = "...", path = "..." }`."""
+    data_dir: str | None = None
+    """Folder of eval set files, `NAME.KIND.jsonl` or `.parquet` with KIND `ppl`, `ctxcont` or `pairs` (see
+    docs/validation.md); `sets` names them by NAME."""
+
+    sets: list[ValSetConfig | str] = Field(default_factory=list)
+    """What to score: `{ name = "...", path = "..." }` for a held-out token folder, or the NAME of a set file in
+    data_dir."""
+
+    save_arrays: bool = False
+    """Also write each ctxcont/pairs set's per-choice log-likelihoods to `<output_dir>/val_arrays/step_<N>/`
+    (`<set>@<length>.npz`), for analysis after the run."""
 
     data: list[str] = Field(default_factory=list)
     """SFT's held-out samples (data.type = "sft"): files or folders in the forms data.paths takes, read with the

@@ -1,5 +1,6 @@
-"""Validation on held-out token folders (loss, perplexity and bits per byte at several context lengths) and on
-SFT's held-out samples (`val.data`: loss and perplexity over their loss tokens).
+"""Validation on held-out token folders and `ppl` set files (loss, perplexity and bits per byte at several
+context lengths), on `ctxcont` and `pairs` set files (accuracy by log-likelihood, see `lmforge.eval`), and on SFT's
+held-out samples (`val.data`: loss and perplexity over their loss tokens).
 
 Every document of a set is cut into consecutive chunks of L tokens (L in `val.seq_lens`); within a chunk each
 token after the first is scored given the ones before it, so every token of the set except the first of each chunk
@@ -18,6 +19,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +33,8 @@ from lmforge.data.packing import fill_bins
 from lmforge.data.sft import SampleSet, load_samples
 from lmforge.data.shards import ShardPool
 from lmforge.data.tokenizer import TokenizerInfo
+from lmforge.eval.scoring import ScoringRow, pack_requests, score_requests
+from lmforge.eval.sets import EvalSet, Request, build_requests, fit_requests, ppl_tokens, read_eval_dir, set_metrics
 from lmforge.model.loss import IGNORE_INDEX
 
 SCORING_CHUNK = 1024
@@ -102,6 +106,27 @@ SAMPLES = -1
 """The context-length slot of SFT's held-out samples, which are scored whole."""
 
 
+@dataclass
+class _ChoiceRows:
+    """A ctxcont or pairs set at one context length: its requests and their scoring rows."""
+
+    set: EvalSet
+    requests: list[Request]
+    rows: list[ScoringRow]
+
+    def save(self, path: Path, loglik: np.ndarray) -> None:
+        """Per-choice log-likelihoods with their item, choice, continuation bytes and the items' labels."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(
+            path,
+            loglik=loglik,
+            item=np.asarray([r.item for r in self.requests]),
+            choice=np.asarray([r.choice for r in self.requests]),
+            nbytes=np.asarray([r.nbytes for r in self.requests]),
+            label=np.asarray([item.label for item in self.set.items]),
+        )
+
+
 class Validator:
     """Scores the configured held-out sets with the training model; a step hook of the trainer."""
 
@@ -117,9 +142,13 @@ class Validator:
         if tokenizer is None:
             raise ConfigError("validation needs tokenizer.name (bits per byte count the bytes each token stands for)")
         self.rows: dict[tuple[str, int], list[_Row]] = {}
-        if cfg.sets:
-            nbytes = token_bytes(tokenizer)
+        self.choices: dict[tuple[str, int], _ChoiceRows] = {}
+        nbytes = token_bytes(tokenizer) if cfg.sets else np.zeros(0, dtype=np.int64)
+        files = {s.name: s for s in read_eval_dir(cfg.data_dir)} if cfg.data_dir else {}
         for s in cfg.sets:
+            if isinstance(s, str):
+                self._add_set_file(s, files, tokenizer, row_tokens, nbytes)
+                continue
             pool = ShardPool([Path(s.path)])
             tokens, doc_starts, _ = pool.read(0, pool.num_tokens)
             for seq_len in self.seq_lens:
@@ -131,21 +160,43 @@ class Validator:
             self.samples = load_samples(cfg.data, tokenizer, data)
             self.rows[("", SAMPLES)] = sample_rows(self.samples, row_tokens)
 
-    def after_optimizer_step(self, trainer: object, step: int, metrics: dict[str, float]) -> None:
+    def _add_set_file(self, name: str, files: dict[str, EvalSet], tokenizer: TokenizerInfo, row_tokens: int,
+                      nbytes: np.ndarray) -> None:  # fmt: skip
+        if name not in files:
+            raise ConfigError(f"val.sets names {name!r}, but val.data_dir {self.cfg.data_dir} holds {sorted(files)}")
+        evs = files[name]
+        if evs.kind == "ppl":
+            tokens, doc_starts = ppl_tokens(evs.texts, tokenizer)
+            for seq_len in self.seq_lens:
+                self.rows[(name, seq_len)] = chunk_rows(tokens, doc_starts, seq_len, row_tokens, nbytes)
+            return
+        requests = build_requests(evs.items, tokenizer)
+        for seq_len in self.seq_lens:
+            # A chunk of L tokens is the context length L of token sets; a request gets the same L tokens.
+            fitted = fit_requests(requests, seq_len - 1, evs.items)
+            self.choices[(name, seq_len)] = _ChoiceRows(evs, fitted, pack_requests(fitted, row_tokens))
+
+    def after_optimizer_step(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
         """Every `val.interval` steps, add the validation metrics to the step's."""
         if self.cfg.interval and step % self.cfg.interval == 0:
-            metrics.update(self.evaluate(trainer.model, trainer.ctx.device))  # type: ignore[attr-defined]
+            metrics.update(self.evaluate(trainer.model, trainer.ctx.device, self._arrays_dir(trainer, step)))
 
-    def on_train_end(self, trainer: object) -> None:
+    def on_train_end(self, trainer: Any) -> None:
         """With `val.eval_on_end`, one round on the final weights, logged at the last step."""
-        if self.cfg.eval_on_end and not (self.cfg.interval and trainer.step % self.cfg.interval == 0):  # type: ignore[attr-defined]
-            metrics = self.evaluate(trainer.model, trainer.ctx.device)  # type: ignore[attr-defined]
-            trainer.monitors.log(trainer.step, metrics)  # type: ignore[attr-defined]
+        if self.cfg.eval_on_end and not (self.cfg.interval and trainer.step % self.cfg.interval == 0):
+            arrays = self._arrays_dir(trainer, trainer.step)
+            trainer.monitors.log(trainer.step, self.evaluate(trainer.model, trainer.ctx.device, arrays))
+
+    def _arrays_dir(self, trainer: Any, step: int) -> Path | None:
+        if not self.cfg.save_arrays or not self.choices or self.rank != 0:
+            return None
+        return Path(trainer.run_dir) / "val_arrays" / f"step_{step}"
 
     @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]:
-        """One round over every set and context length: `val/<set>/{loss,ppl,bpb}@<L>`, `val/loss` and
-        `val/perplexity` (held-out samples), and `time/val`."""
+    def evaluate(self, model: torch.nn.Module, device: torch.device, arrays: Path | None = None) -> dict[str, float]:
+        """One round over every set and context length: `val/<set>/{loss,ppl,bpb}@<L>`, `val/<set>/acc@<L>` (and
+        `acc_norm` for ctxcont), `val/loss` and `val/perplexity` (held-out samples), and `time/val`. With `arrays`,
+        the choice sets' per-choice scores are written there."""
         t0 = time.perf_counter()
         was_training, chunk = model.training, getattr(model, "loss_chunk_tokens", 0)
         model.eval()
@@ -186,5 +237,11 @@ class Validator:
             out[f"val/{name}/loss@{seq_len}"] = mean
             out[f"val/{name}/ppl@{seq_len}"] = math.exp(min(mean, 80.0))
             out[f"val/{name}/bpb@{seq_len}"] = loss_sum / (math.log(2) * nbytes) if nbytes else math.nan
+        for (name, seq_len), choice in self.choices.items():
+            loglik = score_requests(model, choice.rows, len(choice.requests), device, self.rank, self.world_size)
+            for metric, value in set_metrics(choice.set.kind, choice.set.items, choice.requests, loglik).items():
+                out[f"val/{name}/{metric}@{seq_len}"] = value
+            if arrays is not None:
+                choice.save(arrays / f"{name}@{seq_len}.npz", loglik)
         out["time/val"] = time.perf_counter() - t0
         return out
