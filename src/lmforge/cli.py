@@ -115,6 +115,7 @@ COMMANDS = {
     "report": "write a self-contained HTML report of a run",
     "demo": "pretrain a small Llama on Shakespeare, prepared locally",
     "chat-set": "write a small chat SFT set (train/val JSONL) made from Shakespeare's plays",
+    "eval": "score a run's snapshots on its [val] sets beside the training (lmforge eval RUN_DIR)",
     "val-sets": "convert lm-evaluation-harness-style JSONL into ctxcont / pairs eval set files",
 }
 
@@ -160,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         from lmforge.demo import demo_main
 
         return demo_main(rest)
+    if command == "eval":
+        from lmforge.eval.worker import eval_main
+
+        return eval_main(rest)
     if command == "val-sets":
         from lmforge.prep.val_sets import val_sets_main
 

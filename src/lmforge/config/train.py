@@ -11,7 +11,7 @@ from lmforge.config.ckpt import CkptConfig, ResumeConfig
 from lmforge.config.data import DataConfig
 from lmforge.config.model import ModelConfig
 from lmforge.config.optim import OptimConfig, ScheduleConfig
-from lmforge.config.val import ValConfig
+from lmforge.config.val import EvalSnapshotsConfig, ValConfig
 from lmforge.config.wandb import WandbConfig
 
 
@@ -74,6 +74,9 @@ class TrainConfig(Section):
 
     val: ValConfig = ValConfig()
     """Validation on held-out sets."""
+
+    eval_snapshots: EvalSnapshotsConfig = EvalSnapshotsConfig()
+    """Model-only snapshots for an eval worker (`lmforge eval`)."""
 
     wandb: WandbConfig = WandbConfig()
     """Weights & Biases logging (off unless wandb.project is set)."""

@@ -52,3 +52,11 @@ class ValConfig(Section):
     @classmethod
     def _one_path(cls, value: object) -> object:
         return [value] if isinstance(value, str) else value
+
+
+class EvalSnapshotsConfig(Section):
+    """`[eval_snapshots]`: model-only snapshots for `lmforge eval`, which scores the `[val]` sets elsewhere."""
+
+    interval: int | None = Field(default=None, ge=1)
+    """Write a model-only snapshot to `<output_dir>/snapshots/step_N/` every interval steps and at the last step,
+    in the background; unset: none."""

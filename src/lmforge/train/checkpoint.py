@@ -42,6 +42,7 @@ from lmforge.config.ckpt import CkptConfig
 from lmforge.train.parallel import DistContext
 
 CHECKPOINTS = "checkpoints"
+SNAPSHOTS = "snapshots"
 LATEST = "latest"
 TRAINER_STATE = "trainer.json"
 MODEL_FILES = "model"
@@ -159,11 +160,17 @@ def optimizers_of(optimizer: Any) -> tuple[torch.optim.Optimizer, ...]:
 
 
 class Checkpointer:
-    """Writes this rank's part of each checkpoint; rank 0 commits (rename, `latest`) and applies retention."""
+    """Writes this rank's part of each checkpoint; rank 0 commits (rename, `latest`) and applies retention.
 
-    def __init__(self, run_dir: Path, cfg: CkptConfig, ctx: DistContext, extra_files: dict[str, Path]) -> None:
+    With `model_only`, it writes the model-only snapshots of `<output_dir>/snapshots/` for the eval worker
+    instead: weights and the step, committed the same way, never deleted here (the worker deletes what it scored).
+    """
+
+    def __init__(self, run_dir: Path, cfg: CkptConfig, ctx: DistContext, extra_files: dict[str, Path],
+                 model_only: bool = False) -> None:  # fmt: skip
         """`extra_files` maps names inside the checkpoint to files or folders rank 0 copies in (config, model/)."""
-        self.root = run_dir / CHECKPOINTS
+        self.root = run_dir / (SNAPSHOTS if model_only else CHECKPOINTS)
+        self.model_only = model_only
         self.cfg = cfg
         self.ctx = ctx
         self.extra_files = extra_files
@@ -198,9 +205,12 @@ class Checkpointer:
                 elif src.is_file():
                     shutil.copy2(src, tmp / name)
         self._barrier()  # the folder exists before any rank writes into it
-        torch.save(rng_state(), tmp / "rng" / f"rank_{self.ctx.rank}.pt")
-        model_sd, optim_sd = get_state_dict(model, optimizers_of(optimizer))
-        payload = {"model": model_sd, "optim": optim_sd}
+        if self.model_only:
+            payload: dict[str, Any] = {"model": get_model_state_dict(model)}
+        else:
+            torch.save(rng_state(), tmp / "rng" / f"rank_{self.ctx.rank}.pt")
+            model_sd, optim_sd = get_state_dict(model, optimizers_of(optimizer))
+            payload = {"model": model_sd, "optim": optim_sd}
         if self.cfg.async_save:
             future = dcp.async_save(payload, checkpoint_id=tmp, process_group=self.group)
             self._pending = (future, step)  # type: ignore[assignment]
@@ -234,7 +244,8 @@ class Checkpointer:
         os.replace(tmp, final)
         write_atomic(self.root / LATEST, f"{step}\n")
         shutil.rmtree(old, ignore_errors=True)
-        self._apply_retention(step)
+        if not self.model_only:
+            self._apply_retention(step)
 
     def _apply_retention(self, current: int) -> None:
         steps = [s for s in list_checkpoints(self.root) if s <= current]
@@ -284,13 +295,11 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: Any, rank: int) -> 
     """Load model (and optimizer, unless None) shards into the live, possibly sharded, objects; returns the
     trainer state. The optimizer's hyperparameters stay those of the current config: only its state is loaded.
     RNG states are restored when the checkpoint was written by the same world size."""
-    check_model_shapes(path, model)
     state = read_trainer_state(path)
     if optimizer is None:
-        model_sd = get_model_state_dict(model)
-        dcp.load({"model": model_sd}, checkpoint_id=path)
-        set_model_state_dict(model, model_sd)
+        load_model_state(path, model)
     else:
+        check_model_shapes(path, model)
         hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         model_sd, optim_sd = get_state_dict(model, optimizers_of(optimizer))
         payload = {"model": model_sd, "optim": optim_sd}
@@ -304,6 +313,14 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: Any, rank: int) -> 
     if state.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1) and rng.is_file():
         set_rng_state(torch.load(rng, weights_only=False))
     return state
+
+
+def load_model_state(path: Path, model: nn.Module) -> None:
+    """Load a checkpoint's or snapshot's model weights into the live, possibly sharded, model (every rank)."""
+    check_model_shapes(path, model)
+    model_sd = get_model_state_dict(model)
+    dcp.load({"model": model_sd}, checkpoint_id=path)
+    set_model_state_dict(model, model_sd)
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:

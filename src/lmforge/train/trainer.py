@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from lmforge.config.ckpt import CkptConfig
 from lmforge.config.loader import ConfigError, dump_toml
 from lmforge.config.train import TrainConfig
 from lmforge.data import TokenizerInfo, build_step_data, load_tokenizer
@@ -188,6 +189,11 @@ class Trainer:
             ctx,
             {"config.toml": self.run_dir / "config.toml", MODEL_FILES: self.run_dir / MODEL_FILES},
         )
+        self.snapshots: Checkpointer | None = None
+        if config.eval_snapshots.interval is not None:
+            # Written in the background on a gloo group of their own, like async checkpoints.
+            snapshot_cfg = CkptConfig(async_save=True)
+            self.snapshots = Checkpointer(self.run_dir, snapshot_cfg, ctx, {}, model_only=True)
         self.flops = FlopCounter(self.model, arch.num_hidden_layers, arch.num_attention_heads, arch.dim_per_head)
         self.peak_flops = peak_flops(ctx.device)
         self.params = param_counts(self.model)
@@ -329,6 +335,12 @@ class Trainer:
                     self.log.info("checkpoint of step %d (loop blocked %.3f s)", self.step, metrics["time/save_ckpt"])
                 else:
                     self.checkpointer.poll()
+                if self.snapshots is not None:
+                    every = cfg.eval_snapshots.interval
+                    if self.step % every == 0 or self.step == cfg.max_steps:  # type: ignore[operator]
+                        metrics["time/save_snapshot"] = self.snapshots.save(self.step, self.model, None, {})
+                    else:
+                        self.snapshots.poll()
                 for hook in self.hooks:
                     if hasattr(hook, "after_optimizer_step"):
                         hook.after_optimizer_step(self, self.step, metrics)
@@ -343,6 +355,8 @@ class Trainer:
                     self.stopped_by = stop.signal_name or "a stop signal on another rank"
                     break
             self.checkpointer.close()
+            if self.snapshots is not None:
+                self.snapshots.close()
             if self.stopped_by is not None:
                 self._announce_stop()
                 return

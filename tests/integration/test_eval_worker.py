@@ -1,0 +1,54 @@
+"""`[eval_snapshots]` and `lmforge eval`: every snapshot scored once at its step, deleted, and a restart goes on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmforge.monitor import read_metrics
+from tests.integration.runner import losses, run_cli, write_config
+from tests.shards import random_docs, word_tokenizer, write_shard
+
+pytestmark = pytest.mark.slow
+
+
+def test_worker_scores_each_snapshot_once_like_the_trainer_would(tmp_path: Path) -> None:
+    tok = word_tokenizer(tmp_path / "tok")
+    write_shard(tmp_path / "heldout", "00000", random_docs(40, seed=5))
+    cfg = write_config(tmp_path, "base", max_steps=6)
+    common = ["train", "@", str(cfg), "--tokenizer.name", str(tok), "--val.seq-lens", "[32]",
+              "--val.sets", f'[{{name = "held", path = "{tmp_path / "heldout"}"}}]']  # fmt: skip
+    # The reference: the trainer scores the same sets itself at steps 2, 4, 6.
+    inline = run_cli([*common, "--output-dir", str(tmp_path / "inline"), "--val.interval", "2"])
+    assert inline.returncode == 0, inline.stderr[-3000:]
+    run = tmp_path / "snap"
+    trained = run_cli([*common, "--output-dir", str(run), "--no-val.eval-on-end", "--eval-snapshots.interval", "2"])
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert losses(run) == losses(tmp_path / "inline"), "snapshots do not change training"
+    assert sorted(p.name for p in (run / "snapshots").iterdir() if p.name.startswith("step_")) == [
+        "step_2", "step_4", "step_6"
+    ]  # fmt: skip
+    assert not [r for r in read_metrics(run / "metrics.jsonl") if "time/val" in r]
+    # A worker that stops after one snapshot (as if killed), then a second one that finishes the run.
+    first = run_cli(["eval", str(run), "--limit", "1", "--poll-seconds", "0.1"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert not (run / "snapshots" / "step_2").exists() and (run / "snapshots" / "step_4").exists()
+    second = run_cli(["eval", str(run), "--poll-seconds", "0.1"], nproc=2)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert not [p for p in (run / "snapshots").iterdir() if p.name.startswith("step_")]
+    scored = [r for r in read_metrics(run / "metrics.jsonl") if "time/val" in r]
+    expected = [r for r in read_metrics(tmp_path / "inline" / "metrics.jsonl") if "time/val" in r]
+    assert [r["step"] for r in scored] == [2, 4, 6], "each snapshot once, at its own step"
+    for got, want in zip(scored, expected, strict=True):
+        assert got["val/held/loss@32"] == pytest.approx(want["val/held/loss@32"], rel=1e-5, abs=1e-6)
+        assert got["val/held/bpb@32"] == pytest.approx(want["val/held/bpb@32"], rel=1e-5, abs=1e-6)
+
+
+def test_worker_refuses_a_run_without_val_sets(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, "bare", max_steps=2)
+    assert run_cli(["train", "@", str(cfg)]).returncode == 0
+    result = run_cli(["eval", str(tmp_path / "bare")])
+    assert result.returncode == 2 and "no [val] sets" in result.stderr
+    missing = run_cli(["eval", str(tmp_path / "nowhere")])
+    assert missing.returncode == 2 and "not a run directory" in missing.stderr
