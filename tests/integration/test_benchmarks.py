@@ -115,3 +115,25 @@ def test_gpu_benchmark_smoke(tmp_path: Path) -> None:
     assert row["tokens_per_s"] > 0 and row["params"] > 0 and row["median_step_s"] > 0
     assert row["attn_backend"] == "sdpa"  # what `auto` picks on the CPU
     assert row["mfu_pct"] is None  # no bf16 peak on the CPU
+
+
+def test_evals_benchmark_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "evals.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "evals.py"), "--smoke", "--json", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    seq_len, row_tokens = figures["settings"]["seq_len"], figures["settings"]["row_tokens"]
+    for f in figures["sets"].values():
+        assert f["validation"]["tokens_per_s"] > 0 and f["plain"]["tokens_per_s"] > 0 and f["ratio"] > 0
+        assert f["positions"] == f["rows"] * row_tokens  # both sides count the same full rows
+    heldout, quiz = figures["sets"]["heldout"], figures["sets"]["quiz"]
+    # every token of the written documents but each L-token chunk's first is scored once
+    chunks = sum(math.ceil(n / seq_len) for n in heldout["doc_lengths"])
+    assert heldout["scored_tokens"] == sum(heldout["doc_lengths"]) - chunks > 0
+    # the validator's loss is the one the plain logits give on the same rows
+    assert heldout["loss_diff"] < 1e-4 and math.isfinite(heldout["loss"])
+    # the ctxcont rows score exactly the continuations' tokens, with the plain logits' log-likelihoods
+    assert quiz["scored_tokens"] == quiz["expected_scored_tokens"] > 0
+    assert quiz["loglik_diff"] < 1e-3 and 0 <= quiz["acc"] <= 1
+    assert all(f["median_s"] > 0 for f in figures["heads"].values())
