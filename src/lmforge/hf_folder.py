@@ -14,7 +14,7 @@ import torch
 
 from lmforge.data.tokenizer import TokenizerInfo, load_tokenizer
 from lmforge.model import build_model
-from lmforge.model.config import LlamaArch, Qwen3Arch
+from lmforge.model.config import AnyArch
 from lmforge.model.hf_config import (
     HFModelError,
     HFModelInfo,
@@ -22,6 +22,7 @@ from lmforge.model.hf_config import (
     generation_config,
     read_hf_config,
 )
+from lmforge.model.hf_names import export_tensors
 from lmforge.model.hf_weights import load_hf_weights, write_safetensors
 from lmforge.model.llama import CausalLM
 from lmforge.train.checkpoint import MODEL_FILES, CheckpointError, find_checkpoint, load_model_weights
@@ -32,7 +33,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def write_model_files(
     folder: Path,
-    arch: LlamaArch | Qwen3Arch,
+    arch: AnyArch,
     vocab_size: int,
     tokenizer: TokenizerInfo | None,
     dtype: str = "float32",
@@ -112,10 +113,9 @@ def export_model(source: Path, output: Path, dtype: str = "bfloat16", max_shard_
         raise FileExistsError(f"{output} exists and is not empty; choose another --output or remove it")
     ckpt = _checkpoint_of(source)
     files = ckpt / MODEL_FILES
-    model, info = _model_from(files, checkpoint=True)
-    tensors = {name: t.detach().to(DTYPES[dtype]) for name, t in model.state_dict().items()}
-    if info.arch.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)  # HF ties it to the embedding on load
+    model, _ = _model_from(files, checkpoint=True)
+    # HF names and layout: routed experts split per expert, a tied head left out (HF ties it on load).
+    tensors = export_tensors(model, DTYPES[dtype])
     tmp = output.with_name(f".tmp_{output.name}")
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -5,20 +5,21 @@ from __future__ import annotations
 import torch
 
 from lmforge.model.attention import resolve_backend
-from lmforge.model.config import ArchConfig, LlamaArch, Qwen3Arch
+from lmforge.model.config import AnyArch, ArchConfig, Glm4MoeArch, LlamaArch, Qwen3Arch, Qwen3MoeArch
+from lmforge.model.init import reset_buffers
 from lmforge.model.llama import CausalLM
 
-__all__ = ["ArchConfig", "CausalLM", "LlamaArch", "Qwen3Arch", "build_model"]
+__all__ = ["AnyArch", "ArchConfig", "CausalLM", "Glm4MoeArch", "LlamaArch", "Qwen3Arch", "Qwen3MoeArch", "build_model"]
 
 
-def build_model(
-    arch: LlamaArch | Qwen3Arch, vocab_size: int, attn: str, device: torch.device, *, meta: bool = False
-) -> CausalLM:
+def build_model(arch: AnyArch, vocab_size: int, attn: str, device: torch.device, *, meta: bool = False) -> CausalLM:
     """Build the model of `arch` for `device` (which picks the attention backend when `attn` is `auto`).
 
     Parameters are fp32 and uninitialized: `init_weights`, a checkpoint or an HF folder fills them. With `meta`
     they have no storage yet (the trainer shards the model first, then allocates each rank's shards); otherwise
-    they are allocated on the CPU.
+    they are allocated on the CPU, and buffers (an MoE block's selection bias and statistics) are zeroed. After
+    `to_empty` of a meta model, `init_weights` and `load_hf_weights` set the buffers; a DCP load sets the
+    selection bias but not the statistics (`CausalLM.reset_moe_stats`).
     """
     backend = resolve_backend(attn, device)
     with torch.device("meta"):
@@ -26,4 +27,5 @@ def build_model(
     if not meta:
         model.to_empty(device="cpu")
         model.tie_weights()
+        reset_buffers(model)
     return model

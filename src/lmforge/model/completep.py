@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lmforge.model.config import LlamaArch, Qwen3Arch
+from lmforge.model.config import AnyArch
 
 
 @dataclass(frozen=True)
@@ -40,14 +40,20 @@ STANDARD = RoleScale()
 """Every factor 1: the standard parameterization."""
 
 
-def multipliers(arch: LlamaArch | Qwen3Arch, base_hidden_size: int, base_num_layers: int) -> tuple[float, float]:
+def multipliers(arch: AnyArch, base_hidden_size: int, base_num_layers: int) -> tuple[float, float]:
     """(m_N, m_L): width and depth multipliers of `arch` relative to the base shape."""
     return arch.hidden_size / base_hidden_size, arch.num_hidden_layers / base_num_layers
 
 
 def completep_scale(role: str, m_n: float, m_l: float) -> RoleScale:
     """The CompleteP factors of a parameter role, with the residual (1 / m_L) and logit (1 / m_N) multipliers
-    folded into `residual_out` and `head`."""
+    folded into `residual_out` and `head`. Routed experts scale like the dense matrices they replace
+    (`expert_hidden` like `hidden`, `expert_out` like `residual_out`); the router, which reads the residual stream
+    like any hidden matrix, scales like `hidden`."""
+    if role in ("expert_hidden", "router"):
+        role = "hidden"
+    elif role == "expert_out":
+        role = "residual_out"
     if role == "hidden":
         return RoleScale(1 / math.sqrt(m_n), 1 / m_n, 1 / math.sqrt(m_n), m_n, 1 / (m_n * m_l))
     if role == "residual_out":
@@ -64,7 +70,7 @@ def completep_scale(role: str, m_n: float, m_l: float) -> RoleScale:
 
 
 def role_scales(
-    arch: LlamaArch | Qwen3Arch, scheme: str, base_hidden_size: int | None, base_num_layers: int | None
+    arch: AnyArch, scheme: str, base_hidden_size: int | None, base_num_layers: int | None
 ) -> Callable[[str], RoleScale]:
     """role -> its factors under `scheme` (`normal`: all 1; `completep`: relative to the base shape)."""
     if scheme == "normal":

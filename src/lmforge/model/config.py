@@ -6,9 +6,32 @@ maps one to one onto the `config.json` of the exported model.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """What an MoE block computes, independent of the family's config field names."""
+
+    num_experts: int
+    """Routed experts."""
+    top_k: int
+    """Routed experts per token."""
+    intermediate_size: int
+    """Hidden width of one expert's SwiGLU (shared experts too)."""
+    score_func: Literal["sigmoid", "softmax"]
+    """How router logits become scores: per-expert sigmoid (GLM-4.5) or softmax over experts (Qwen3-MoE)."""
+    selection_bias: bool
+    """Add the `e_score_correction_bias` buffer to the scores when choosing experts (not to the gate values)."""
+    norm_topk_prob: bool
+    """Rescale the chosen scores to sum to one."""
+    routed_scaling_factor: float
+    """Multiplier on the gate values after the optional rescaling."""
+    num_shared_experts: int
+    """Always-on experts, run as one SwiGLU of num_shared_experts x intermediate_size (0: none)."""
 
 
 class _ArchBase(BaseModel):
@@ -59,8 +82,11 @@ class _ArchBase(BaseModel):
                 f"num_attention_heads {self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads {self.kv_heads}"
             )
-        if self.dim_per_head % 2:
-            raise ValueError(f"head_dim {self.dim_per_head} must be even for rotary embeddings")
+        if self.rotary_dim % 2 or self.rotary_dim <= 0:
+            raise ValueError(
+                f"the rotary part of a head ({self.rotary_dim} of head_dim {self.dim_per_head}) must be even and "
+                f"non-empty"
+            )
         return self
 
     @property
@@ -76,6 +102,25 @@ class _ArchBase(BaseModel):
     @property
     def qk_norm(self) -> bool:
         """Whether queries and keys are RMS-normalized per head before RoPE."""
+        return False
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading channels of each head that RoPE rotates (all of them unless a family says otherwise)."""
+        return self.dim_per_head
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Whether the attention output projection has a bias."""
+        return self.attention_bias
+
+    @property
+    def moe(self) -> MoESpec | None:
+        """The mixture-of-experts block of the MoE layers; None for a dense architecture."""
+        return None
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder block `index` has the MoE block instead of the dense MLP."""
         return False
 
 
@@ -104,5 +149,180 @@ class Qwen3Arch(_ArchBase):
         return True
 
 
-ArchConfig = Annotated[LlamaArch | Qwen3Arch, Field(discriminator="model_type")]
+class Glm4MoeArch(_ArchBase):
+    """A GLM-4.5 MoE decoder (`Glm4MoeForCausalLM`): sigmoid router with a selection bias, shared experts, the first
+    `first_k_dense_replace` blocks dense, RoPE on part of each head, optional QK-norm and q/k/v biases."""
+
+    model_type: Literal["glm4_moe"] = "glm4_moe"
+    """Architecture family: a GLM-4.5 mixture-of-experts decoder."""
+
+    intermediate_size: int = Field(gt=0)
+    """Hidden width of the dense SwiGLU MLP of the first `first_k_dense_replace` blocks."""
+
+    attention_bias: bool = False
+    """Give the q/k/v projections a bias (GLM-4.5's o_proj never has one)."""
+
+    moe_intermediate_size: int = Field(gt=0)
+    """Hidden width of one routed (and one shared) expert's SwiGLU."""
+
+    n_routed_experts: int = Field(ge=2)
+    """Number of routed experts per MoE block."""
+
+    num_experts_per_tok: int = Field(gt=0)
+    """Routed experts each token is sent to (top-k)."""
+
+    n_shared_experts: int = Field(default=1, ge=0)
+    """Experts every token goes through, fused into one SwiGLU of n_shared_experts x moe_intermediate_size."""
+
+    first_k_dense_replace: int = Field(default=1, ge=0)
+    """The first this many blocks have a dense MLP (intermediate_size) instead of the MoE block."""
+
+    norm_topk_prob: bool = True
+    """Rescale the chosen experts' sigmoid scores to sum to one before routed_scaling_factor."""
+
+    routed_scaling_factor: float = Field(default=1.0, gt=0)
+    """Multiplier on the routed experts' gate values."""
+
+    n_group: int = Field(default=1, ge=1)
+    """Expert groups for group-limited routing; only 1 (no groups) is supported."""
+
+    topk_group: int = Field(default=1, ge=1)
+    """Groups a token may pick experts from; only 1 is supported."""
+
+    use_qk_norm: bool = False
+    """RMS-normalize queries and keys per head before RoPE."""
+
+    partial_rotary_factor: float = Field(default=0.5, gt=0, le=1)
+    """Share of each head's channels (the leading ones) that RoPE rotates; transformers' default is 0.5."""
+
+    load_balance_coeff: float | None = Field(default=None, gt=0)
+    """Step size of the auxiliary-loss-free balancing: once per step each MoE block's selection bias moves by this
+    much towards its under-loaded experts (DeepSeek-V3's sign rule). Unset: the bias is never updated."""
+
+    @model_validator(mode="after")
+    def _check_moe(self) -> Glm4MoeArch:
+        if self.n_group != 1 or self.topk_group != 1:
+            raise ValueError(
+                f"group-limited routing (n_group {self.n_group}, topk_group {self.topk_group}) is not supported; "
+                "set n_group = topk_group = 1"
+            )
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(
+                f"num_experts_per_tok {self.num_experts_per_tok} exceeds n_routed_experts {self.n_routed_experts}"
+            )
+        if self.first_k_dense_replace > self.num_hidden_layers:
+            raise ValueError(
+                f"first_k_dense_replace {self.first_k_dense_replace} exceeds num_hidden_layers {self.num_hidden_layers}"
+            )
+        return self
+
+    @property
+    def qk_norm(self) -> bool:
+        """QK-norm is a switch in GLM-4.5."""
+        return self.use_qk_norm
+
+    @property
+    def rotary_dim(self) -> int:
+        """RoPE rotates int(head_dim x partial_rotary_factor) leading channels, as transformers computes it."""
+        return int(self.dim_per_head * self.partial_rotary_factor)
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """GLM-4.5's attention output projection has no bias, whatever attention_bias says."""
+        return False
+
+    @property
+    def moe(self) -> MoESpec:
+        """Sigmoid scores, selection bias, shared experts."""
+        return MoESpec(
+            num_experts=self.n_routed_experts,
+            top_k=self.num_experts_per_tok,
+            intermediate_size=self.moe_intermediate_size,
+            score_func="sigmoid",
+            selection_bias=True,
+            norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=self.routed_scaling_factor,
+            num_shared_experts=self.n_shared_experts,
+        )
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Every block from first_k_dense_replace on."""
+        return index >= self.first_k_dense_replace
+
+
+class Qwen3MoeArch(_ArchBase):
+    """A Qwen3-MoE decoder (`Qwen3MoeForCausalLM`): Qwen3 attention (QK-norm) and a softmax-routed MoE block in
+    every layer, without shared experts."""
+
+    model_type: Literal["qwen3_moe"] = "qwen3_moe"
+    """Architecture family: a Qwen3 mixture-of-experts decoder."""
+
+    rms_norm_eps: float = Field(default=1e-6, gt=0)
+    """Epsilon of every RMSNorm, the QK-norms included."""
+
+    rope_theta: float = Field(default=1_000_000.0, gt=0)
+    """Base of the rotary position embedding frequencies."""
+
+    intermediate_size: int = Field(default=6144, gt=0)
+    """Width of the dense MLP of `mlp_only_layers`. Unused by the supported all-MoE layout; kept because the HF
+    config carries it (transformers' default)."""
+
+    moe_intermediate_size: int = Field(gt=0)
+    """Hidden width of one expert's SwiGLU."""
+
+    num_experts: int = Field(ge=2)
+    """Number of routed experts per MoE block."""
+
+    num_experts_per_tok: int = Field(gt=0)
+    """Experts each token is sent to (top-k of the softmax)."""
+
+    norm_topk_prob: bool = False
+    """Rescale the chosen experts' probabilities to sum to one (transformers' default: no)."""
+
+    decoder_sparse_step: int = Field(default=1, ge=1)
+    """Every this many blocks is an MoE block; only 1 (all of them) is supported."""
+
+    mlp_only_layers: tuple[int, ...] = ()
+    """Blocks with a dense MLP instead of the MoE block; only none is supported."""
+
+    @model_validator(mode="after")
+    def _check_moe(self) -> Qwen3MoeArch:
+        if self.decoder_sparse_step != 1 or self.mlp_only_layers:
+            raise ValueError(
+                f"decoder_sparse_step {self.decoder_sparse_step} with mlp_only_layers {list(self.mlp_only_layers)} "
+                "is not supported; lmforge's Qwen3-MoE has the MoE block in every layer (decoder_sparse_step = 1, "
+                "mlp_only_layers = [])"
+            )
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds num_experts {self.num_experts}")
+        return self
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3-MoE always normalizes queries and keys per head."""
+        return True
+
+    @property
+    def moe(self) -> MoESpec:
+        """Softmax scores, no selection bias, no shared experts."""
+        return MoESpec(
+            num_experts=self.num_experts,
+            top_k=self.num_experts_per_tok,
+            intermediate_size=self.moe_intermediate_size,
+            score_func="softmax",
+            selection_bias=False,
+            norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=1.0,
+            num_shared_experts=0,
+        )
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Every block."""
+        return True
+
+
+AnyArch = LlamaArch | Qwen3Arch | Glm4MoeArch | Qwen3MoeArch
+"""The type of any architecture config."""
+
+ArchConfig = Annotated[AnyArch, Field(discriminator="model_type")]
 """Any architecture, chosen by its `model_type` field."""

@@ -102,7 +102,7 @@ def forward_with_cache(model: CausalLM, input_ids: Tensor, cache: KVCache) -> Te
     arch = model.arch
     x = decoder.embed_tokens(input_ids)
     positions = torch.arange(start, start + t, device=x.device)
-    cos, sin = rotary_cos_sin(positions, arch.dim_per_head, arch.rope_theta, x.dtype)
+    cos, sin = rotary_cos_sin(positions, arch.rotary_dim, arch.rope_theta, x.dtype)
     for i, layer in enumerate(decoder.layers):
         attn = layer.self_attn
         q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)

@@ -1,9 +1,12 @@
-"""Mapping between the architecture configs and the Hugging Face `config.json` of a Llama or Qwen3 model.
+"""Mapping between the architecture configs and the Hugging Face `config.json` of a Llama, Qwen3, GLM-4.5 MoE or
+Qwen3-MoE model.
 
-`arch_to_hf_config` writes the keys `transformers` itself saves for `LlamaConfig` / `Qwen3Config`, with the RoPE
-base both in `rope_parameters` (read by transformers 5) and as a top-level `rope_theta` (read by transformers 4).
-`read_hf_config` accepts only what the lmforge decoder computes exactly: SiLU MLPs without bias, plain RoPE and,
-for Qwen3, full attention in every layer. Anything else fails with the file and field at fault.
+`arch_to_hf_config` writes the keys `transformers` itself saves for `LlamaConfig` / `Qwen3Config` /
+`Glm4MoeConfig` / `Qwen3MoeConfig`, with the RoPE base (and GLM's partial rotary factor) both in
+`rope_parameters` (read by transformers 5) and at the top level (read by transformers 4). `read_hf_config` accepts
+only what the lmforge decoder computes exactly: SiLU MLPs without bias, plain RoPE (partial for GLM-4.5), full
+attention in every layer, ungrouped MoE routing and, for Qwen3-MoE, an MoE block in every layer. Anything else
+fails with the file and field at fault.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from lmforge.model.config import LlamaArch, Qwen3Arch
+from lmforge.model.config import AnyArch, Glm4MoeArch, LlamaArch, Qwen3Arch, Qwen3MoeArch
 
 CONFIG_NAME = "config.json"
 """File name of the model config inside an HF model folder."""
@@ -23,8 +26,18 @@ CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
 """File name of the generation defaults inside an HF model folder."""
 
-_CLASS_NAMES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_ARCH_CLASSES: dict[str, type[LlamaArch] | type[Qwen3Arch]] = {"llama": LlamaArch, "qwen3": Qwen3Arch}
+_CLASS_NAMES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+_ARCH_CLASSES: dict[str, type[AnyArch]] = {
+    "llama": LlamaArch,
+    "qwen3": Qwen3Arch,
+    "glm4_moe": Glm4MoeArch,
+    "qwen3_moe": Qwen3MoeArch,
+}
 _EXPORT_DTYPES = ("bfloat16", "float32")
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
@@ -33,7 +46,34 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": None},
     "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": 128},
+    "glm4_moe": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "head_dim": None},
+    "qwen3_moe": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": None},
 }
+
+# The MoE fields of each family with transformers' defaults (taken when config.json leaves one out).
+_MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "glm4_moe": {
+        "moe_intermediate_size": 1408,
+        "n_routed_experts": 128,
+        "num_experts_per_tok": 8,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "n_group": 1,
+        "topk_group": 1,
+        "use_qk_norm": False,
+    },
+    "qwen3_moe": {
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+}
+_GLM_PARTIAL_ROTARY = 0.5  # transformers' Glm4MoeConfig default
 
 
 class HFModelError(ValueError):
@@ -44,7 +84,7 @@ class HFModelError(ValueError):
 class HFModelInfo:
     """What an HF `config.json` says about the model: its architecture, vocabulary and special tokens."""
 
-    arch: LlamaArch | Qwen3Arch
+    arch: AnyArch
     """The architecture, with every default of the HF config class made explicit."""
     vocab_size: int
     """Rows of the embedding matrix."""
@@ -59,7 +99,7 @@ class HFModelInfo:
 
 
 def arch_to_hf_config(
-    arch: LlamaArch | Qwen3Arch,
+    arch: AnyArch,
     vocab_size: int,
     *,
     bos_id: int | None,
@@ -68,7 +108,8 @@ def arch_to_hf_config(
     dtype: str,
     init_std: float = 0.02,
 ) -> dict[str, Any]:
-    """The complete `config.json` of `arch` as a `LlamaForCausalLM` or `Qwen3ForCausalLM`, keys sorted."""
+    """The complete `config.json` of `arch` as a `LlamaForCausalLM`, `Qwen3ForCausalLM`, `Glm4MoeForCausalLM` or
+    `Qwen3MoeForCausalLM`, keys sorted."""
     if dtype not in _EXPORT_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_EXPORT_DTYPES)}; got {dtype!r}")
     config: dict[str, Any] = {
@@ -90,7 +131,6 @@ def arch_to_hf_config(
         "attention_bias": arch.attention_bias,
         "attention_dropout": 0.0,
         "hidden_act": "silu",
-        "mlp_bias": False,
         "initializer_range": init_std,
         "use_cache": True,
         "bos_token_id": bos_id,
@@ -98,16 +138,43 @@ def arch_to_hf_config(
         "pad_token_id": pad_id,
         "dtype": dtype,
     }
-    if arch.model_type == "qwen3":
-        config.update(
-            use_sliding_window=False,
-            sliding_window=None,
-            max_window_layers=arch.num_hidden_layers,
-            layer_types=["full_attention"] * arch.num_hidden_layers,
-        )
-    else:
-        config["pretraining_tp"] = 1
+    config.update(_family_keys(arch))
     return dict(sorted(config.items()))
+
+
+def _family_keys(arch: AnyArch) -> dict[str, Any]:
+    """The config.json keys of one family beyond those every family shares."""
+    if isinstance(arch, LlamaArch):
+        return {"mlp_bias": False, "pretraining_tp": 1}
+    if isinstance(arch, Qwen3Arch):
+        layers = arch.num_hidden_layers
+        return {"mlp_bias": False, "use_sliding_window": False, "sliding_window": None, "max_window_layers": layers,
+                "layer_types": ["full_attention"] * layers}  # fmt: skip
+    moe = {"moe_intermediate_size": arch.moe_intermediate_size, "num_experts_per_tok": arch.num_experts_per_tok,
+           "norm_topk_prob": arch.norm_topk_prob, "output_router_logits": False}  # fmt: skip
+    if isinstance(arch, Qwen3MoeArch):
+        # `num_experts` is the name Qwen's checkpoints and transformers 4 use; transformers 5 maps it.
+        return {**moe, "num_experts": arch.num_experts, "decoder_sparse_step": arch.decoder_sparse_step,
+                "mlp_only_layers": list(arch.mlp_only_layers), "router_aux_loss_coef": 0.001,
+                "use_sliding_window": False, "sliding_window": None}  # fmt: skip
+    return {
+        **moe,
+        "n_routed_experts": arch.n_routed_experts,
+        "n_shared_experts": arch.n_shared_experts,
+        "first_k_dense_replace": arch.first_k_dense_replace,
+        "routed_scaling_factor": arch.routed_scaling_factor,
+        "n_group": arch.n_group,
+        "topk_group": arch.topk_group,
+        "use_qk_norm": arch.use_qk_norm,
+        "rope_parameters": {
+            "rope_theta": arch.rope_theta,
+            "rope_type": "default",
+            "partial_rotary_factor": arch.partial_rotary_factor,
+        },
+        "partial_rotary_factor": arch.partial_rotary_factor,
+        # lmforge trains no multi-token-prediction layers; the default (1) would announce weights that are absent.
+        "num_nextn_predict_layers": 0,
+    }
 
 
 def generation_config(bos_id: int | None, eos_id: int | None, pad_id: int | None) -> dict[str, Any]:
@@ -117,7 +184,8 @@ def generation_config(bos_id: int | None, eos_id: int | None, pad_id: int | None
 
 
 def read_hf_config(folder: Path) -> HFModelInfo:
-    """Read `folder/config.json` of a Llama or Qwen3 model into an architecture lmforge can build exactly."""
+    """Read `folder/config.json` of a Llama, Qwen3, GLM-4.5 MoE or Qwen3-MoE model into an architecture lmforge
+    can build exactly."""
     folder = Path(folder)
     if not folder.is_dir():
         raise HFModelError(f"{folder}: no such model folder")
@@ -149,6 +217,7 @@ def read_hf_config(folder: Path) -> HFModelInfo:
     fields["num_key_value_heads"] = raw.get("num_key_value_heads")
     fields["tie_word_embeddings"] = raw.get("tie_word_embeddings", False)
     fields["attention_bias"] = raw.get("attention_bias", False)
+    fields.update(_moe_fields(raw, model_type))
     try:
         arch = _ARCH_CLASSES[model_type](**fields)
     except ValidationError as err:
@@ -168,8 +237,22 @@ def read_hf_config(folder: Path) -> HFModelInfo:
     )
 
 
+def _moe_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The MoE fields of an HF config (transformers' defaults for absent ones); none for a dense family."""
+    fields = {key: raw[key] if raw.get(key) is not None else default
+              for key, default in _MOE_DEFAULTS.get(model_type, {}).items()}  # fmt: skip
+    if model_type == "qwen3_moe" and raw.get("num_experts") is None and raw.get("num_local_experts") is not None:
+        fields["num_experts"] = raw["num_local_experts"]  # transformers 5 saves the attribute-mapped name
+    if model_type == "glm4_moe":
+        rope = raw.get("rope_parameters") or {}
+        factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+        fields["partial_rotary_factor"] = _GLM_PARTIAL_ROTARY if factor is None else factor
+    return fields
+
+
 def _check_supported(raw: dict[str, Any], path: Path) -> None:
     """Reject the features the lmforge decoder does not compute, naming the field."""
+    glm = raw["model_type"] == "glm4_moe"
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise HFModelError(f"{path}: hidden_act {act!r} is not supported; lmforge MLPs use silu (SwiGLU)")
@@ -188,12 +271,14 @@ def _check_supported(raw: dict[str, Any], path: Path) -> None:
                 f"(rope_type 'default')"
             )
         # A scalar entry other than the base would change the frequencies; nested per-layer dicts are not plain RoPE.
+        # GLM-4.5 rotates part of each head, which lmforge computes; other families must rotate all of it.
         extra = sorted(set(rope) - {"rope_type", "type", "rope_theta"})
-        if extra and not (extra == ["partial_rotary_factor"] and rope["partial_rotary_factor"] == 1.0):
+        partial_ok = glm or rope.get("partial_rotary_factor") == 1.0
+        if extra and not (extra == ["partial_rotary_factor"] and partial_ok):
             raise HFModelError(f"{path}: {key} field(s) {', '.join(extra)} are not supported; plain RoPE only")
-    if raw.get("partial_rotary_factor", 1.0) != 1.0:
+    if not glm and raw.get("partial_rotary_factor", 1.0) != 1.0:
         raise HFModelError(f"{path}: partial_rotary_factor {raw['partial_rotary_factor']!r} is not supported")
-    if raw["model_type"] == "qwen3":
+    if raw["model_type"] in ("qwen3", "qwen3_moe"):
         if raw.get("use_sliding_window"):
             raise HFModelError(f"{path}: use_sliding_window true is not supported; lmforge attends to the full row")
         layer_types = raw.get("layer_types") or []

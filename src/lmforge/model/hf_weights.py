@@ -1,5 +1,8 @@
 """Safetensors checkpoints in the HF layout: one `model.safetensors`, or numbered shards with an index.
 
+`hf_names.export_tensors(model, dtype)` gives the tensors to write for a model (MoE experts per expert);
+`write_safetensors` writes them.
+
 Loading reads one tensor at a time, so a model never needs a second full copy of its weights in memory, and it
 works on plain parameters and on FSDP2-sharded (DTensor) parameters alike: every rank reads the file and keeps
 its own shard, with no communication.
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -18,6 +22,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lmforge.model.hf_config import HFModelError
+from lmforge.model.hf_names import checkpoint_sources, ignored_checkpoint_name, persistent_buffers
+from lmforge.model.moe import MoE
 
 SINGLE_FILE = "model.safetensors"
 """Weights file of a checkpoint that fits in one shard."""
@@ -110,44 +116,58 @@ def checkpoint_files(folder: Path) -> dict[str, Path]:
 
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, folder: Path) -> None:
-    """Copy the safetensors checkpoint in `folder` into `model`, one tensor at a time, cast to each parameter's dtype.
+    """Copy the safetensors checkpoint in `folder` into `model`, one tensor at a time, cast to each tensor's dtype.
 
-    Parameters may be plain tensors or FSDP2 DTensors; a DTensor receives only its local shard. Names must match
-    exactly: a tied model takes its matrix from `model.embed_tokens.weight` and ignores a saved `lm_head.weight`.
-    Names and shapes are all checked before any parameter is written, so a failed load leaves the model unchanged.
+    Parameters may be plain tensors or FSDP2 DTensors; a DTensor receives only its local shard. Persistent buffers
+    (an MoE router's selection bias) load like parameters; MoE statistics are zeroed. Names must match exactly, up
+    to the routed experts, which come from per-expert tensors or from stacked ones (`hf_names`); a tied model takes
+    its matrix from `model.embed_tokens.weight` and ignores a saved `lm_head.weight`. Names and shapes are all
+    checked before any tensor is written, so a failed load leaves the model unchanged.
     """
     folder = Path(folder)
     files = checkpoint_files(folder)
-    params = dict(model.named_parameters())
+    targets = {**dict(model.named_parameters()), **persistent_buffers(model)}
     # A tied matrix is listed once by named_parameters; its second name may still be in the checkpoint.
-    aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(params)
+    aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(targets)
+    sources = checkpoint_sources(targets, set(files))
 
-    missing = sorted(set(params) - set(files))
+    needed = [name for source in sources.values() for name in source.names]
+    missing = [name for name in needed if name not in files]
+    used = set(needed) | aliases
     unexpected = sorted(
-        name for name in set(files) - set(params) if name not in aliases and not name.endswith(_IGNORED_SUFFIXES)
+        name
+        for name in set(files) - used
+        if not name.endswith(_IGNORED_SUFFIXES) and not ignored_checkpoint_name(name, model)
     )
     if missing:
-        raise HFModelError(f"{folder}: checkpoint lacks tensor(s) the model needs: {', '.join(missing)}")
+        raise HFModelError(f"{folder}: checkpoint lacks tensor(s) the model needs: {_listing(missing)}")
     if unexpected:
-        raise HFModelError(f"{folder}: checkpoint has tensor(s) the model does not: {', '.join(unexpected)}")
+        raise HFModelError(f"{folder}: checkpoint has tensor(s) the model does not: {_listing(unexpected)}")
 
-    by_file: dict[Path, list[str]] = {}
-    for name in params:
-        by_file.setdefault(files[name], []).append(name)
-    for path, names in by_file.items():
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in names:
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(params[name].shape):
+    with ExitStack() as stack:
+        opened = {path: stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+                  for path in sorted({files[name] for name in needed})}  # fmt: skip
+        for target, source in sources.items():
+            expected = source.piece_shapes(tuple(targets[target].shape))
+            for name, want in zip(source.names, expected, strict=True):
+                shape = tuple(opened[files[name]].get_slice(name).get_shape())
+                if shape != want:
                     raise HFModelError(
-                        f"{path}: tensor {name} has shape {list(shape)} in the checkpoint but "
-                        f"{list(params[name].shape)} in the model"
+                        f"{files[name]}: tensor {name} has shape {list(shape)} in the checkpoint but "
+                        f"{list(want)} in the model" + ("" if name == target else f" (as part of {target})")
                     )
+        for target, source in sources.items():
+            pieces = [opened[files[name]].get_tensor(name) for name in source.names]
+            _copy_into(targets[target], source.assemble(pieces))
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.reset_stats()
 
-    for path, names in by_file.items():
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in names:
-                _copy_into(params[name], f.get_tensor(name))
+
+def _listing(names: list[str], limit: int = 20) -> str:
+    """Names joined for an error message, the first `limit` of them."""
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
 
 
 def _copy_into(param: Tensor, full: Tensor) -> None:

@@ -93,6 +93,15 @@ def normal_rows(name: str, shape: tuple[int, ...], start: int, count: int, std: 
     return torch.cat(parts)
 
 
+def reset_buffers(model: nn.Module) -> None:
+    """Give every buffer of `model` its fresh-init value: each module that owns buffers with state (an MoE block's
+    selection bias and statistics) declares a `reset_buffers()`; buffers of other modules are computed on the fly."""
+    for module in model.modules():
+        reset = getattr(module, "reset_buffers", None)
+        if callable(reset):
+            reset()
+
+
 @torch.no_grad()
 def init_weights(
     model: nn.Module,
@@ -101,9 +110,10 @@ def init_weights(
     truncate: bool = False,
     std_scales: dict[str, float] | None = None,
 ) -> None:
-    """Initialize every parameter, plain or FSDP2-sharded, in place: N(0, std x std_scale(name)) for matrices and
-    embeddings (truncated at 3 std if asked; `std_scales` multiplies a parameter's std, e.g. for CompleteP), 1 for
-    norm scales, 0 for biases; only this rank's rows are drawn."""
+    """Initialize every parameter, plain or FSDP2-sharded, in place: N(0, std x std_scale(name)) for matrices,
+    stacked expert matrices and embeddings (truncated at 3 std if asked; `std_scales` multiplies a parameter's std,
+    e.g. for CompleteP), 1 for norm scales, 0 for biases; only this rank's rows are drawn (an expert stack's rows
+    are its experts). Buffers are reset too: an MoE selection bias starts at zero."""
     rules = declared_init_rules(model)
     for name, param in model.named_parameters():
         role = init_role(name, param, rules)
@@ -115,3 +125,4 @@ def init_weights(
         else:
             scale = std_scales.get(name, 1.0) if std_scales is not None else 1.0
             local.copy_(normal_rows(name, tuple(param.shape), start, local.shape[0], std * scale, seed, truncate))
+    reset_buffers(model)

@@ -1,19 +1,22 @@
-"""Dense decoder of the Llama family (Llama, Qwen3) with HF parameter names.
+"""Decoder of the Llama family (Llama, Qwen3, and the MoE decoders GLM-4.5 and Qwen3-MoE) with HF parameter names.
 
-Module and parameter names are exactly those of `transformers`' `LlamaForCausalLM` / `Qwen3ForCausalLM`
-(`model.layers.0.self_attn.q_proj.weight`, ...), so a state dict moves between the two without renaming.
-A forward pass takes one packed row and its segment lengths; positions and attention restart per segment.
+Module and parameter names are exactly those of `transformers`' `LlamaForCausalLM` / `Qwen3ForCausalLM` /
+`Glm4MoeForCausalLM` / `Qwen3MoeForCausalLM` (`model.layers.0.self_attn.q_proj.weight`, ...), so a state dict
+moves between the two without renaming. A forward pass takes one packed row and its segment lengths; positions
+and attention restart per segment.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmforge.model.attention import AttentionFn, DocumentMask, get_attention
-from lmforge.model.config import LlamaArch, Qwen3Arch
+from lmforge.model.config import AnyArch
 from lmforge.model.loss import head_cross_entropy
+from lmforge.model.mlp import MLP
+from lmforge.model.moe import MoE
+from lmforge.model.params import ParamCounts, active_fractions, count_params
 
 
 class RMSNorm(nn.Module):
@@ -33,7 +36,9 @@ class RMSNorm(nn.Module):
 
 
 def rotary_cos_sin(position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and sin tables [T, head_dim] for the given positions (HF's half-split layout, computed in fp32)."""
+    """cos and sin tables [T, head_dim] for the given positions (HF's half-split layout, computed in fp32).
+
+    With partial RoPE, pass the rotary width (`arch.rotary_dim`) as head_dim: the frequencies depend on it."""
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.int64).float() / head_dim)
     )
@@ -48,15 +53,20 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x [T, heads, head_dim] by the position tables [T, head_dim]."""
+    """Rotate x [T, heads, head_dim] by the position tables [T, rotary_dim]: the leading rotary_dim channels of each
+    head turn, the rest pass through (partial RoPE, as transformers' GLM-4.5)."""
     cos, sin = cos[:, None, :], sin[:, None, :]
-    return x * cos + _rotate_half(x) * sin
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    turned, kept = x[..., :rotary], x[..., rotary:]
+    return torch.cat((turned * cos + _rotate_half(turned) * sin, kept), dim=-1)
 
 
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE and optional per-head QK-norm."""
 
-    def __init__(self, arch: LlamaArch | Qwen3Arch, attention: AttentionFn) -> None:
+    def __init__(self, arch: AnyArch, attention: AttentionFn) -> None:
         super().__init__()
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.kv_heads
@@ -65,7 +75,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(arch.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(arch.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(arch.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, arch.hidden_size, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, arch.hidden_size, bias=arch.o_proj_bias)
         if arch.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
@@ -92,29 +102,20 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward block."""
-
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """x [T, hidden] -> [T, hidden]."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
-    """Pre-norm decoder block: attention then MLP, each on a residual branch."""
+    """Pre-norm decoder block: attention then the MLP (dense or MoE), each on a residual branch."""
 
-    def __init__(self, arch: LlamaArch | Qwen3Arch, attention: AttentionFn) -> None:
+    def __init__(self, arch: AnyArch, attention: AttentionFn, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, attention)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch.hidden_size, arch.intermediate_size)
+        spec = arch.moe
+        self.mlp: MLP | MoE = (
+            MoE(spec, arch.hidden_size)
+            if spec is not None and arch.is_moe_layer(index)
+            else MLP(arch.hidden_size, arch.intermediate_size)
+        )
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
         """x [T, hidden] -> [T, hidden]."""
@@ -125,11 +126,11 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, decoder blocks and final norm (HF's `model.` prefix)."""
 
-    def __init__(self, arch: LlamaArch | Qwen3Arch, vocab_size: int, attention: AttentionFn) -> None:
+    def __init__(self, arch: AnyArch, vocab_size: int, attention: AttentionFn) -> None:
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, attention) for _ in range(arch.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, attention, i) for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, seq_lens: Tensor) -> Tensor:
@@ -140,7 +141,7 @@ class DecoderModel(nn.Module):
         mask = DocumentMask.from_seq_lens(seq_lens, x.device)
         if mask.total != x.shape[0]:
             raise ValueError(f"seq_lens add up to {mask.total} but the row holds {x.shape[0]} tokens")
-        cos, sin = rotary_cos_sin(position_ids, self.arch.dim_per_head, self.arch.rope_theta, x.dtype)
+        cos, sin = rotary_cos_sin(position_ids, self.arch.rotary_dim, self.arch.rope_theta, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
         return self.norm(x).unsqueeze(0)
@@ -149,7 +150,7 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """A decoder with its LM head (HF's `*ForCausalLM` layout)."""
 
-    def __init__(self, arch: LlamaArch | Qwen3Arch, vocab_size: int, attn_backend: str = "sdpa") -> None:
+    def __init__(self, arch: AnyArch, vocab_size: int, attn_backend: str = "sdpa") -> None:
         super().__init__()
         self.arch = arch
         self.vocab_size = vocab_size
@@ -170,6 +171,24 @@ class CausalLM(nn.Module):
     def blocks(self) -> list[nn.Module]:
         """The repeated blocks: the units of sharding, activation checkpointing and compilation."""
         return list(self.model.layers)
+
+    def moe_layers(self) -> dict[int, MoE]:
+        """The MoE blocks by decoder-layer index (empty for a dense model)."""
+        return {i: layer.mlp for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, MoE)}
+
+    def reset_moe_stats(self) -> None:
+        """Zero every MoE block's per-step statistics (`tokens_per_expert`, `routing_confidence_sum`)."""
+        for moe in self.moe_layers().values():
+            moe.reset_stats()
+
+    def active_fractions(self) -> dict[str, float]:
+        """Parameter name -> share of a token's compute it sees, for the parameters that are not fully active
+        (routed experts: top_k / num_experts)."""
+        return active_fractions(self)
+
+    def param_counts(self) -> ParamCounts:
+        """Total, embedding, non-embedding, active non-embedding and active matmul parameter counts."""
+        return count_params(self)
 
     def forward(
         self, input_ids: Tensor, position_ids: Tensor, seq_lens: Tensor, targets: Tensor | None = None

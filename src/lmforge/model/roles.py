@@ -6,16 +6,20 @@ metrics.
 
 from __future__ import annotations
 
-ROLES = ("hidden", "residual_out", "embed", "head", "norm", "bias")
-"""hidden: 2-D matrices inside the blocks that read the residual stream (q/k/v, gate/up projections);
-residual_out: the matrices that write a block's branch back into the residual stream (o_proj, down_proj);
+ROLES = ("hidden", "residual_out", "expert_hidden", "expert_out", "router", "embed", "head", "norm", "bias")
+"""hidden: 2-D matrices inside the blocks that read the residual stream (q/k/v, gate/up projections, shared
+experts' gate/up); residual_out: the matrices that write a block's branch back into the residual stream (o_proj,
+down_proj); expert_hidden / expert_out: the same two kinds for the routed experts, stacked 3-D [E, out, in]
+(`mlp.experts.gate_up_proj` / `mlp.experts.down_proj`); router: an MoE block's router matrix (`mlp.gate.weight`);
 embed: token embedding; head: LM head; norm: norm scales; bias: biases."""
 
 MATRIX_ROLES = frozenset({"hidden", "residual_out"})
-"""The 2-D matrices inside the blocks (Muon's share of the model)."""
+"""The 2-D matrices inside the blocks (Muon's share of the model). The routed experts are 3-D and stay with AdamW
+until Muon orthogonalizes per expert; the router stays with AdamW too, as small, precision-sensitive routers
+usually are."""
 
-DECAYED_ROLES = frozenset({"hidden", "residual_out", "embed", "head"})
-"""Roles that take weight decay."""
+DECAYED_ROLES = frozenset({"hidden", "residual_out", "expert_hidden", "expert_out", "router", "embed", "head"})
+"""Roles that take weight decay (every matrix)."""
 
 RESIDUAL_OUT = ("o_proj", "down_proj")
 """Modules whose output is added to the residual stream."""
@@ -29,6 +33,10 @@ def param_role(name: str, ndim: int) -> str:
         return "embed"
     if name.startswith("lm_head"):
         return "head"
+    if ".mlp.experts." in f".{name}":
+        return "expert_out" if name.endswith("down_proj") else "expert_hidden"
+    if name.endswith("mlp.gate.weight"):
+        return "router"
     if ndim >= 2:
         module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
         return "residual_out" if module in RESIDUAL_OUT else "hidden"

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from lmforge.model.roles import param_role
+from lmforge.model.params import count_params
 
 PEAK_BF16_FLOPS = {
     "B200": 2.25e15,
@@ -53,34 +53,11 @@ def peak_flops(device: torch.device, name: str | None = None) -> float | None:
     return None
 
 
-def param_counts(model: nn.Module, active_fraction: dict[str, float] | None = None) -> dict[str, float]:
+def param_counts(model: nn.Module) -> dict[str, float]:
     """`params/total`, `params/embedding` (the token embedding), `params/non_embedding` and
-    `params/active_non_embedding` (per token; `active_fraction` maps parameter names to the share of a token's
-    compute they see, e.g. top-k / experts for routed experts). Tied matrices count once. Global sizes, also
-    under FSDP."""
-    total = embedding = active = 0.0
-    for name, p in model.named_parameters():
-        n = float(p.numel())
-        total += n
-        if param_role(name, p.ndim) == "embed":
-            embedding += n
-        else:
-            active += n * (active_fraction or {}).get(name, 1.0)
-    return {
-        "params/total": total,
-        "params/embedding": embedding,
-        "params/non_embedding": total - embedding,
-        "params/active_non_embedding": active,
-    }
-
-
-def matmul_params(model: nn.Module, active_fraction: dict[str, float] | None = None) -> float:
-    """N_matmul: active 2-D weights outside the embedding, with the LM head counted even when tied."""
-    count = 0.0
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if p.ndim == 2 and param_role(name, p.ndim) != "embed":
-            count += p.numel() * (active_fraction or {}).get(name, 1.0)
-    return count
+    `params/active_non_embedding` (per token: routed experts count top_k / num_experts). Tied matrices count once.
+    Global sizes, also under FSDP."""
+    return count_params(model).metrics()
 
 
 def attended_pairs(seq_lens: Iterable[torch.Tensor]) -> int:
@@ -96,7 +73,7 @@ class FlopCounter:
     """Training FLOPs of a step from its token count and attended pairs."""
 
     def __init__(self, model: nn.Module, layers: int, heads: int, head_dim: int) -> None:
-        self.matmul = matmul_params(model)
+        self.matmul = count_params(model).active_matmul
         self.per_pair = 12.0 * layers * heads * head_dim
 
     def step_flops(self, tokens: float, pairs: float) -> tuple[float, float]:

@@ -1,0 +1,124 @@
+"""Tensor names and layouts between an lmforge model and the files of an HF checkpoint.
+
+Dense tensors keep their names. Routed experts are stacked in the model (`mlp.experts.gate_up_proj` [E, 2I, H],
+gate rows first, and `mlp.experts.down_proj` [E, H, I], as transformers 5 holds them in memory) but stored per
+expert in HF checkpoint files (`mlp.experts.{e}.gate_proj.weight` [I, H], `up_proj` [I, H], `down_proj` [H, I]),
+which every transformers version, vLLM and SGLang read; transformers 5 saves that layout too. Loading also accepts
+the stacked names (a transformers 5 save with `save_original_format=False`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from lmforge.model.moe import MoE
+
+_GATE_UP = ".mlp.experts.gate_up_proj"
+_DOWN = ".mlp.experts.down_proj"
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one model tensor comes from in a checkpoint: the file tensors and how they combine."""
+
+    names: tuple[str, ...]
+    """Checkpoint tensor names, in the order `assemble` takes them."""
+    kind: Literal["same", "gate_up", "stack"]
+    """`same`: one tensor as is; `gate_up`: per-expert gate and up matrices (g0, u0, g1, u1, ...) concatenated and
+    stacked; `stack`: per-expert matrices stacked."""
+
+    def piece_shapes(self, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The shape each checkpoint tensor must have for a model tensor of `shape`."""
+        if self.kind == "same":
+            return [shape]
+        if self.kind == "gate_up":
+            return [(shape[1] // 2, shape[2])] * len(self.names)
+        return [tuple(shape[1:])] * len(self.names)
+
+    def assemble(self, pieces: list[Tensor]) -> Tensor:
+        """The model tensor from its checkpoint tensors."""
+        if self.kind == "same":
+            return pieces[0]
+        if self.kind == "gate_up":
+            return torch.stack([torch.cat(pieces[i : i + 2]) for i in range(0, len(pieces), 2)])
+        return torch.stack(pieces)
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, Tensor]:
+    """The buffers that belong in a state dict (an MoE router's selection bias), by full name."""
+    found: dict[str, Tensor] = {}
+    for prefix, module in model.named_modules():
+        for local, buf in module.named_buffers(recurse=False):
+            if buf is not None and local not in module._non_persistent_buffers_set:
+                found[f"{prefix}.{local}" if prefix else local] = buf
+    return found
+
+
+def checkpoint_sources(targets: dict[str, Tensor], available: set[str]) -> dict[str, Source]:
+    """For each model tensor, its source in a checkpoint holding `available` names: the same name, or for routed
+    experts the stacked name when present, else the per-expert names."""
+    sources: dict[str, Source] = {}
+    for name, tensor in targets.items():
+        if name in available or not name.endswith((_GATE_UP, _DOWN)):
+            sources[name] = Source((name,), "same")
+            continue
+        prefix = name.rsplit(".", 1)[0]
+        experts = range(tensor.shape[0])
+        if name.endswith(_GATE_UP):
+            names = tuple(f"{prefix}.{e}.{part}.weight" for e in experts for part in ("gate_proj", "up_proj"))
+            sources[name] = Source(names, "gate_up")
+        else:
+            sources[name] = Source(tuple(f"{prefix}.{e}.down_proj.weight" for e in experts), "stack")
+    return sources
+
+
+def ignored_checkpoint_name(name: str, model: nn.Module) -> bool:
+    """Checkpoint tensors that lmforge does not load: GLM-4.5's multi-token-prediction layers, stored as decoder
+    layers after the last one (transformers skips them too)."""
+    arch = getattr(model, "arch", None)
+    if arch is None or arch.model_type != "glm4_moe":
+        return False
+    match = _LAYER_RE.match(name)
+    return match is not None and int(match.group(1)) >= arch.num_hidden_layers
+
+
+def fp32_names(model: nn.Module) -> set[str]:
+    """Tensors an export keeps in fp32 whatever its dtype: the routers that carry a selection bias, and the bias
+    (transformers keeps both in fp32 for GLM-4.5)."""
+    names: set[str] = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, MoE) and module.spec.selection_bias:
+            names |= {f"{prefix}.gate.weight", f"{prefix}.gate.e_score_correction_bias"}
+    return names
+
+
+def export_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """The tensors of an HF checkpoint of `model` (plain, unsharded), by HF name: its state dict without the
+    second name of a tied matrix, routed experts split per expert, cast to `dtype` (None: as they are) except the
+    tensors `fp32_names` keeps."""
+    aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(dict(model.named_parameters()))
+    keep = fp32_names(model)
+    out: dict[str, Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if name in aliases:
+            continue
+        target = torch.float32 if name in keep else dtype
+        t = tensor.detach() if target is None else tensor.detach().to(target)
+        prefix = name.rsplit(".", 1)[0]
+        if name.endswith(_GATE_UP):
+            gate, up = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate[e].clone()
+                out[f"{prefix}.{e}.up_proj.weight"] = up[e].clone()
+        elif name.endswith(_DOWN):
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e].clone()
+        else:
+            out[name] = t
+    return out

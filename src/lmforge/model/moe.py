@@ -1,0 +1,210 @@
+"""Mixture-of-experts block: an fp32 router (with GLM-4.5's selection bias), routed experts stored as stacked 3-D
+weights, and optional shared experts.
+
+Names follow transformers 5 (`mlp.gate.weight`, `mlp.gate.e_score_correction_bias`, `mlp.experts.gate_up_proj`
+[E, 2I, H] with the gate half first, `mlp.experts.down_proj` [E, H, I], `mlp.shared_experts.*`), so the state dict
+equals that of `Glm4MoeForCausalLM` / `Qwen3MoeForCausalLM` in memory; `hf_names` maps it to the per-expert layout
+of HF checkpoint files.
+
+Routed experts run as two grouped matmuls over the token copies sorted by expert (no Python loop over experts, no
+host sync on a CUDA device with the bf16 kernel, traceable by torch.compile), or through `Experts.impl = "loop"`, a
+per-expert reference. Each block accumulates, on the device and in training mode only, the statistics the training
+loop reads once per step: `tokens_per_expert` and `routing_confidence_sum`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lmforge.model.config import MoESpec
+from lmforge.model.grouped_mm import grouped_mm
+from lmforge.model.mlp import MLP
+
+ExpertsImpl = Literal["auto", "grouped_mm", "loop"]
+"""How routed experts are computed: `grouped_mm` (`torch._grouped_mm`, see `lmforge.model.grouped_mm`), `loop` (the
+reference: one matmul pair per expert, with the counts read on the host), `auto` (grouped_mm when torch has it and
+the shapes meet its 16-byte alignment, else loop)."""
+
+
+@dataclass
+class Routing:
+    """The router's decision for T tokens."""
+
+    weights: Tensor
+    """fp32 [T, k]: gate value of each chosen expert."""
+    indices: Tensor
+    """int64 [T, k]: the chosen experts."""
+    confidence: Tensor
+    """fp32 [T]: share of the token's router score mass held by the chosen experts (k / E when uniform)."""
+
+
+class Router(nn.Module):
+    """Scores experts in fp32 and picks the top k (HF's `gate`).
+
+    With a selection bias (GLM-4.5), experts are chosen by score + `e_score_correction_bias`, while the gate values
+    come from the unbiased scores: the bias steers load without changing what a chosen expert contributes.
+    """
+
+    def __init__(self, spec: MoESpec, hidden: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden))
+        if spec.selection_bias:
+            # Persistent: it is trained state (by the balancing rule, not by gradients) and HF checkpoints hold it.
+            self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts), persistent=True)
+
+    def forward(self, x: Tensor) -> Routing:
+        """x [T, hidden] -> the routing of its tokens."""
+        spec = self.spec
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if spec.score_func == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores + self.e_score_correction_bias.float() if spec.selection_bias else scores
+        indices = choice.topk(spec.top_k, dim=-1).indices
+        chosen = scores.gather(-1, indices)
+        confidence = chosen.sum(-1) / scores.sum(-1)
+        weights = chosen
+        if spec.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        if spec.routed_scaling_factor != 1.0:
+            weights = weights * spec.routed_scaling_factor
+        return Routing(weights, indices, confidence)
+
+    @torch.no_grad()
+    def update_selection_bias(self, tokens_per_expert: Tensor, coeff: float) -> Tensor:
+        """DeepSeek-V3's sign rule: raise the bias of every expert that got fewer tokens than the mean by `coeff`,
+        lower the others by as much. `tokens_per_expert` must be the step's global counts (the same on every
+        rank, so every rank's bias stays equal). Returns the change applied."""
+        if not self.spec.selection_bias:
+            raise ValueError("this router has no selection bias to update (only GLM-4.5-style routers do)")
+        counts = tokens_per_expert.to(self.e_score_correction_bias.device, torch.float32)
+        delta = coeff * torch.sign(counts.mean() - counts)
+        self.e_score_correction_bias.add_(delta.to(self.e_score_correction_bias.dtype))
+        return delta
+
+    @torch.no_grad()
+    def reset_bias(self) -> None:
+        """Zero the selection bias (the state of a freshly initialized router)."""
+        if self.spec.selection_bias:
+            self.e_score_correction_bias.zero_()
+
+
+def dispatch_order(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """The (token, slot) pairs of indices [T, k] sorted by expert (stable), and int64 token counts per expert.
+
+    The counts come from scatter_add_, not bincount, which reads the maximum on the host on CUDA.
+    """
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return order, counts
+
+
+class Experts(nn.Module):
+    """The routed experts' SwiGLU weights, stacked: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.impl: ExpertsImpl = "auto"
+
+    def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+        """x [T, hidden], indices and fp32 weights [T, k] -> (gate-weighted sum of the chosen experts' outputs
+        [T, hidden], int64 tokens per expert [E])."""
+        t, k = indices.shape
+        order, counts = dispatch_order(indices, self.num_experts)
+        # Row j of the sorted copies is token order[j] // k; indexing (not index_select) keeps backward
+        # deterministic on CUDA (index_put with accumulate sorts its indices).
+        xs = x[order // k]
+        ys = self._grouped_mm(xs, counts) if self._use_grouped_mm(x) else self._loop(xs, counts)
+        # Back to (token, slot) order through the inverse permutation, then the gate-weighted sum over slots.
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        y = ys[inverse].view(t, k, -1)
+        return (y * weights.unsqueeze(-1)).sum(1).to(x.dtype), counts
+
+    def _use_grouped_mm(self, x: Tensor) -> bool:
+        if self.impl == "loop":
+            return False
+        available = hasattr(torch, "_grouped_mm")
+        # _grouped_mm wants 16-byte aligned row strides in every operand.
+        align = 16 // x.element_size()
+        aligned = x.shape[-1] % align == 0 and self.intermediate % align == 0 and x.dtype == self.down_proj.dtype
+        if self.impl == "grouped_mm" and not (available and aligned):
+            raise ValueError(
+                f"experts impl grouped_mm needs torch._grouped_mm and hidden/intermediate sizes divisible by {align} "
+                f"with matching dtypes (got x {tuple(x.shape)} {x.dtype}, weights {self.down_proj.dtype})"
+            )
+        return available and aligned
+
+    def _grouped_mm(self, xs: Tensor, counts: Tensor) -> Tensor:
+        offsets = counts.cumsum(0).to(torch.int32)
+        gate, up = grouped_mm(xs, self.gate_up_proj.transpose(-2, -1), offsets).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offsets)
+
+    def _loop(self, xs: Tensor, counts: Tensor) -> Tensor:
+        outs = []
+        for e, chunk in enumerate(xs.split(counts.tolist())):
+            gate, up = F.linear(chunk, self.gate_up_proj[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+        return torch.cat(outs)
+
+
+def _counting() -> bool:
+    """False while activation checkpointing recomputes a forward inside backward (eager), so the statistics count
+    each token once. Compiled blocks apply buffer updates once per forward anyway, and the check cannot be traced."""
+    return torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1
+
+
+class MoE(nn.Module):
+    """Router, routed experts and optional shared experts: the MLP of an MoE decoder layer.
+
+    Training-mode forwards add to two fp32 device buffers (non-persistent: not in state dicts or checkpoints), which
+    the training loop reads and zeroes once per step:
+
+    - `tokens_per_expert` [E]: token copies routed to each expert (sums to tokens x k);
+    - `routing_confidence_sum` []: sum over tokens of `Routing.confidence`; divided by tokens_per_expert.sum() / k
+      it is the mean routing confidence.
+    """
+
+    def __init__(self, spec: MoESpec, hidden: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.gate = Router(spec, hidden)
+        self.experts = Experts(spec.num_experts, hidden, spec.intermediate_size)
+        self.shared_experts = (
+            MLP(hidden, spec.num_shared_experts * spec.intermediate_size) if spec.num_shared_experts else None
+        )
+        self.register_buffer("tokens_per_expert", torch.zeros(spec.num_experts), persistent=False)
+        self.register_buffer("routing_confidence_sum", torch.zeros(()), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        routing = self.gate(x)
+        out, counts = self.experts(x, routing.indices, routing.weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        if self.training and _counting():
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts)
+                self.routing_confidence_sum.add_(routing.confidence.sum())
+        return out
+
+    @torch.no_grad()
+    def reset_stats(self) -> None:
+        """Zero the per-step statistics."""
+        self.tokens_per_expert.zero_()
+        self.routing_confidence_sum.zero_()
+
+    def reset_buffers(self) -> None:
+        """Zero every buffer: the statistics and the selection bias (the state of a fresh init)."""
+        self.reset_stats()
+        self.gate.reset_bias()

@@ -1,0 +1,67 @@
+"""Parameter counts of a model, total and active per token (MoE routed experts count top_k / num_experts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from lmforge.model.moe import MoE
+from lmforge.model.roles import param_role
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts (global sizes, also under FSDP; a tied matrix counts once unless said otherwise)."""
+
+    total: int
+    """Every parameter."""
+    embedding: int
+    """The token embedding."""
+    non_embedding: int
+    """total - embedding (the LM head included when it is not tied)."""
+    active_non_embedding: float
+    """Non-embedding parameters one token uses: dense parts, routers and shared experts whole, routed experts
+    times top_k / num_experts."""
+    active_matmul: float
+    """Active weights (2-D and stacked 3-D) outside the embedding that a token multiplies, the LM head counted even
+    when tied: N_matmul of the 6 N D FLOP count."""
+
+    def metrics(self) -> dict[str, float]:
+        """The step-0 `params/*` metrics."""
+        return {
+            "params/total": float(self.total),
+            "params/embedding": float(self.embedding),
+            "params/non_embedding": float(self.non_embedding),
+            "params/active_non_embedding": float(self.active_non_embedding),
+        }
+
+
+def active_fractions(model: nn.Module) -> dict[str, float]:
+    """Name -> share of a token's compute, for the parameters a token uses only in part: the routed experts of
+    every MoE block (top_k / num_experts). Absent names are fully active."""
+    fractions: dict[str, float] = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, MoE):
+            share = module.spec.top_k / module.spec.num_experts
+            for local, _ in module.experts.named_parameters():
+                fractions[f"{prefix}.experts.{local}" if prefix else f"experts.{local}"] = share
+    return fractions
+
+
+def count_params(model: nn.Module) -> ParamCounts:
+    """Count `model`'s parameters by role and activity (see `ParamCounts`)."""
+    fractions = active_fractions(model)
+    total = embedding = 0
+    active = 0.0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if param_role(name, p.ndim) == "embed":
+            embedding += p.numel()
+        else:
+            active += p.numel() * fractions.get(name, 1.0)
+    matmul = 0.0
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.ndim >= 2 and param_role(name, p.ndim) != "embed":
+            matmul += p.numel() * fractions.get(name, 1.0)
+    return ParamCounts(total, embedding, total - embedding, active, matmul)
