@@ -61,6 +61,19 @@ class ACConfig(Section):
     """Checkpoint every freq-th block (1 = every block)."""
 
 
+class MoEBalanceConfig(Section):
+    """`[model.moe_balance]`: auxiliary-loss-free load balancing of MoE routers that have a selection bias."""
+
+    coeff: float = Field(default=1e-3, ge=0)
+    """Once per optimizer step, each MoE block's selection bias moves by coeff x sign(mean load - expert load),
+    from the step's token counts over all ranks (DeepSeek-V3's rule); 0 turns balancing off. The GLM-4.5 arch
+    field `load_balance_coeff`, when set, takes precedence. Routers without a selection bias (qwen3_moe) are not
+    balanced."""
+
+    freeze_at: float | None = Field(default=None, gt=0, le=1)
+    """Stop updating the bias after this fraction of max_steps (e.g. 0.9); unset: update until the end."""
+
+
 class ModelConfig(Section):
     """`[model]`: what is trained and how it is laid out on the devices."""
 
@@ -91,6 +104,9 @@ class ModelConfig(Section):
 
     ac: ACConfig = ACConfig()
     """Activation checkpointing."""
+
+    moe_balance: MoEBalanceConfig = MoEBalanceConfig()
+    """Load balancing of MoE routers (ignored by dense models)."""
 
     debug: DebugConfig = DebugConfig()
     """Switches for smoke runs."""

@@ -5,29 +5,38 @@ from __future__ import annotations
 import math
 import resource
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 
-def reduce_step_stats(sums: dict[str, Tensor], maxes: dict[str, Tensor]) -> tuple[dict[str, float], dict[str, float]]:
-    """All-reduce device scalars (one SUM, one MAX collective) and read them on the host once."""
+def reduce_step_stats(sums: dict[str, Tensor], maxes: dict[str, Tensor]) -> tuple[dict[str, Any], dict[str, float]]:
+    """All-reduce device values (one SUM, one MAX collective) and read them on the host once.
+
+    Scalars come back as floats; a `sums` entry of another shape (e.g. MoE token counts per layer and expert) is
+    summed element-wise in the same collective and comes back as a float64 numpy array of its shape."""
     device = next(iter({**sums, **maxes}.values())).device
 
-    def stack(values: dict[str, Tensor]) -> Tensor:
-        return torch.stack([v.to(device=device, dtype=torch.float64) for v in values.values()]) if values else (
-            torch.zeros(0, device=device, dtype=torch.float64))  # fmt: skip
+    def flat(values: dict[str, Tensor]) -> Tensor:
+        parts = [v.to(device=device, dtype=torch.float64).reshape(-1) for v in values.values()]
+        return torch.cat(parts) if parts else torch.zeros(0, device=device, dtype=torch.float64)
 
-    sum_vec, max_vec = stack(sums), stack(maxes)
+    sum_vec, max_vec = flat(sums), flat(maxes)
     if dist.is_initialized() and dist.get_world_size() > 1:
         if sums:
             dist.all_reduce(sum_vec, op=dist.ReduceOp.SUM)
         if maxes:
             dist.all_reduce(max_vec, op=dist.ReduceOp.MAX)
-    host = torch.cat([sum_vec, max_vec]).tolist()
-    n = len(sums)
-    return dict(zip(sums, host[:n], strict=True)), dict(zip(maxes, host[n:], strict=True))
+    host = torch.cat([sum_vec, max_vec]).cpu().numpy()
+    out: dict[str, Any] = {}
+    at = 0
+    for name, value in sums.items():
+        n = value.numel()
+        out[name] = float(host[at]) if value.dim() == 0 else host[at : at + n].reshape(tuple(value.shape)).copy()
+        at += n
+    return out, {name: float(v) for name, v in zip(maxes, host[at:], strict=True)}
 
 
 def peak_memory_gib(device: torch.device) -> float:

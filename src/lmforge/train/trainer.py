@@ -30,6 +30,7 @@ from lmforge.model.roles import param_role
 from lmforge.monitor import ConsoleMonitor, JsonlMonitor, Monitors
 from lmforge.monitor.console import format_line
 from lmforge.optim import build_optimizer, clip_gradients, group_grad_squares, set_lr_multiplier, wsd_multiplier
+from lmforge.train.balance import MoEBalancer
 from lmforge.train.checkpoint import (
     CHECKPOINTS,
     MODEL_FILES,
@@ -156,6 +157,10 @@ class Trainer:
                 from lmforge.model.hf_weights import load_hf_weights
 
                 load_hf_weights(self.model, Path(config.model.name))
+        self.balancer: MoEBalancer | None = None
+        if self.model.moe_layers():
+            coeff = getattr(arch, "load_balance_coeff", None)
+            self.balancer = MoEBalancer(self.model, config.model.moe_balance, coeff, config.max_steps)
         self.optimizer = build_optimizer(self.model, config.optim, ctx.device, scale)
         state: dict[str, Any] = {}
         if resume_from is not None:
@@ -227,6 +232,8 @@ class Trainer:
         """One optimizer step over this rank's micro-batches; returns the step's global metrics. `stop` is this
         rank's stop request; `self.stop_agreed` says afterwards whether any rank made one."""
         device, defer = self.ctx.device, self.config.model.defer_grad_sync
+        if self.balancer is not None:
+            self.balancer.start_step()
         stats = run_micro_batches(self.model, micro_batches, device, defer)
         wait = torch.tensor(data_wait, device=device)
         squares = group_grad_squares(self.optimizer, device)
@@ -240,6 +247,7 @@ class Trainer:
                 "pairs": torch.tensor(float(attended_pairs(mb["seq_lens"] for mb in micro_batches)), device=device),
                 "peak_memory": torch.tensor(peak_memory_gib(device), device=device),
                 **{f"grad_sq/{name}": sq for name, sq in squares.items()},
+                **(self.balancer.device_stats() if self.balancer is not None else {}),
             },
             {
                 "data_wait": wait,
@@ -248,6 +256,9 @@ class Trainer:
             },
         )
         self.stop_agreed = maxes["stop"] > 0
+        routing: dict[str, float] = {}
+        if self.balancer is not None:
+            routing = self.balancer.update(self.step + 1, sums.pop("moe/counts"), sums.pop("moe/confidence"))
         if sums["nan_count"] > 0:
             # Rare: redo the step without the bad micro-batches (on every rank, so FSDP collectives match).
             rerun_without_nonfinite(self.model, micro_batches, stats.finite.tolist(), device, defer)
@@ -287,6 +298,7 @@ class Trainer:
             "perf/peak_memory_mean": sums["peak_memory"] / self.ctx.world_size,
             "batch/tokens": sums["tokens"],
             "batch/pairs": sums["pairs"],
+            **routing,
         }
         for group in self.optimizer.param_groups:
             metrics[f"optim/grad_norm/{group['name']}"] = math.sqrt(group_sq[group["name"]])

@@ -1,0 +1,118 @@
+"""MoE routing statistics and auxiliary-loss-free load balancing, once per optimizer step.
+
+Every MoE block counts, on the device, the token copies routed to each expert and the router score mass of the
+chosen experts (`lmforge.model.moe`). The trainer zeroes those buffers before a step's micro-batches and adds them
+to the step's single SUM all-reduce, so the counts here are the step's global ones on every rank. From them:
+
+- the bias update: each block's selection bias moves by coeff x sign(mean load - expert load) (DeepSeek-V3's rule),
+  identically on every rank, until `freeze_at` x max_steps;
+- the metrics: `max_vio/{mean,max}`, `routing_confidence/mean`, `expert_load/{min_mean,max_mean,cv,entropy}/*`,
+  `expert_load/dead`, `expert_load/layer_<i>/*` and `moe/bias/{abs_mean,flips}`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from lmforge.config.model import MoEBalanceConfig
+from lmforge.model.moe import MoE
+
+
+def load_stats(counts: np.ndarray) -> dict[str, np.ndarray]:
+    """Per-layer load statistics of counts [layers, experts] (token copies per expert in one step).
+
+    `max_vio`: max load / mean load - 1; `min_mean` and `max_mean`: min and max load over the mean; `cv`: standard
+    deviation over mean; `entropy`: entropy of the load distribution divided by ln(experts) (1 = uniform);
+    `dead`: experts that got no token. A layer without tokens has no defined ratios (NaN) and all experts dead.
+    """
+    counts = np.asarray(counts, dtype=np.float64)
+    num_experts = counts.shape[1]
+    mean = counts.mean(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = counts / counts.sum(axis=1, keepdims=True)
+        logs = np.where(share > 0, np.log(np.where(share > 0, share, 1.0)), 0.0)
+        return {
+            "max_vio": counts.max(axis=1) / mean - 1.0,
+            "min_mean": counts.min(axis=1) / mean,
+            "max_mean": counts.max(axis=1) / mean,
+            "cv": counts.std(axis=1) / mean,
+            "entropy": -(share * logs).sum(axis=1) / math.log(num_experts),
+            "dead": (counts == 0).sum(axis=1).astype(np.float64),
+        }
+
+
+def load_metrics(counts: np.ndarray, confidence_sums: np.ndarray, top_k: int, layers: list[int]) -> dict[str, float]:
+    """The step's routing metrics from global counts [L, E] and confidence sums [L] of the MoE layers `layers`."""
+    stats = load_stats(counts)
+    tokens = np.asarray(counts, dtype=np.float64).sum(axis=1) / top_k
+    with np.errstate(divide="ignore", invalid="ignore"):
+        confidence = np.asarray(confidence_sums, dtype=np.float64) / tokens
+    out = {
+        "max_vio/mean": float(np.mean(stats["max_vio"])),
+        "max_vio/max": float(np.max(stats["max_vio"])),
+        "routing_confidence/mean": float(np.mean(confidence)),
+        "expert_load/min_mean/mean": float(np.mean(stats["min_mean"])),
+        "expert_load/min_mean/min": float(np.min(stats["min_mean"])),
+        "expert_load/max_mean/mean": float(np.mean(stats["max_mean"])),
+        "expert_load/max_mean/max": float(np.max(stats["max_mean"])),
+        "expert_load/cv/mean": float(np.mean(stats["cv"])),
+        "expert_load/cv/max": float(np.max(stats["cv"])),
+        "expert_load/entropy/mean": float(np.mean(stats["entropy"])),
+        "expert_load/entropy/min": float(np.min(stats["entropy"])),
+        "expert_load/dead": float(np.sum(stats["dead"])),
+    }
+    for row, layer in enumerate(layers):
+        for name in ("max_vio", "cv", "entropy", "min_mean", "max_mean", "dead"):
+            out[f"expert_load/layer_{layer}/{name}"] = float(stats[name][row])
+    return out
+
+
+class MoEBalancer:
+    """Reads the MoE blocks' step statistics and moves their selection biases (a part of the trainer)."""
+
+    def __init__(self, model: nn.Module, cfg: MoEBalanceConfig, coeff_override: float | None, max_steps: int) -> None:
+        """`coeff_override` is the arch's `load_balance_coeff` (GLM-4.5 style), which wins over `cfg.coeff`."""
+        blocks: dict[int, MoE] = model.moe_layers()  # type: ignore[operator]
+        self.layers = sorted(blocks)
+        self.blocks = [blocks[i] for i in self.layers]
+        self.top_k = self.blocks[0].spec.top_k
+        self.coeff = cfg.coeff if coeff_override is None else coeff_override
+        self.freeze_step = None if cfg.freeze_at is None else math.floor(cfg.freeze_at * max_steps)
+        self.balanced = [b for b in self.blocks if b.spec.selection_bias]
+        self._last_sign: Tensor | None = None
+
+    def start_step(self) -> None:
+        """Zero the blocks' statistics before the step's first micro-batch."""
+        for block in self.blocks:
+            block.reset_stats()
+
+    def device_stats(self) -> dict[str, Tensor]:
+        """This rank's step statistics, for the step's SUM all-reduce: counts [L, E] and confidence sums [L]."""
+        return {
+            "moe/counts": torch.stack([b.tokens_per_expert for b in self.blocks]),
+            "moe/confidence": torch.stack([b.routing_confidence_sum for b in self.blocks]),
+        }
+
+    def update(self, step: int, counts: np.ndarray, confidence_sums: np.ndarray) -> dict[str, float]:
+        """After step `step`'s reduction: move the biases (unless off or frozen) and return the step's metrics."""
+        metrics = load_metrics(counts, confidence_sums, self.top_k, self.layers)
+        if not self.balanced:
+            return metrics
+        active = self.coeff > 0 and (self.freeze_step is None or step <= self.freeze_step)
+        if active:
+            signs = []
+            for row, block in enumerate(self.blocks):
+                if block.spec.selection_bias:
+                    delta = block.gate.update_selection_bias(torch.from_numpy(counts[row]), self.coeff)
+                    signs.append(torch.sign(delta).cpu())
+            sign = torch.stack(signs)
+            flips = 0.0 if self._last_sign is None else float((sign * self._last_sign < 0).sum())
+            self._last_sign = sign
+            metrics["moe/bias/flips"] = flips
+        biases = torch.stack([b.gate.e_score_correction_bias.detach().float().cpu() for b in self.balanced])
+        metrics["moe/bias/abs_mean"] = float(biases.abs().mean())
+        return metrics
