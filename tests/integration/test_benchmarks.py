@@ -137,3 +137,26 @@ def test_evals_benchmark_smoke(tmp_path: Path) -> None:
     assert quiz["scored_tokens"] == quiz["expected_scored_tokens"] > 0
     assert quiz["loglik_diff"] < 1e-3 and 0 <= quiz["acc"] <= 1
     assert all(f["median_s"] > 0 for f in figures["heads"].values())
+
+
+def test_moe_benchmark_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "moe.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "moe.py"), "--smoke", "--json", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    sides = figures["sides"]
+    assert set(sides) == {"dense", "moe_grouped_mm", "moe_loop"}
+    assert all(f["tokens_per_s"] > 0 and f["median_step_s"] > 0 for f in sides.values())
+    assert figures["moe_over_dense"] > 0 and figures["grouped_over_loop"] > 0
+    # the dense MLP is (top_k + shared) experts wide, so a token multiplies as many weights on both sides: the
+    # count_params figures differ by exactly the MoE's routers (experts x hidden per layer)
+    settings, params = figures["settings"], figures["params"]
+    router = settings["num_hidden_layers"] * settings["n_routed_experts"] * settings["hidden_size"]
+    assert params["moe"]["router"] == router
+    assert params["moe"]["active_matmul"] - router == params["dense"]["active_matmul"] > 0
+    assert figures["active_matmul_equal"] is True
+    # the MoE holds more weights than it uses per token
+    assert params["moe"]["total"] > params["dense"]["total"]
+    # the same weights and tokens through the grouped matmuls and the per-expert loop give the same loss
+    assert figures["first_loss_diff_grouped_loop"] < 1e-4

@@ -76,3 +76,16 @@ def test_balancing_is_global_and_resumes_exactly(tmp_path: Path) -> None:
     run(tmp_path, "resumed", "--resume.step", "4")
     assert torch.equal(bias(resumed), final)
     assert losses(resumed) == losses(straight)
+
+
+def test_sequence_balance_loss_trains_the_same_on_one_and_two_processes(tmp_path: Path) -> None:
+    flags = ("--model.moe-balance.seq-aux-coeff", "0.01", "--max-steps", "4")
+    one = run(tmp_path, "one", *flags)
+    two = run(tmp_path, "two", *flags, nproc=2)
+    plain = run(tmp_path, "plain", "--max-steps", "4")
+    records = [r for r in read_metrics(one / "metrics.jsonl") if r["step"] > 0]
+    # sum_i f_i P_i is 1 for a uniform router (f_i = 1, P_i = 1 / E); with coeff 0.01 and one MoE layer, about 0.01
+    assert all(0.005 < r["moe/seq_aux_loss"] < 0.05 for r in records)
+    assert losses(two) == pytest.approx(losses(one), rel=1e-5, abs=1e-5)
+    assert losses(one)[0] == losses(plain)[0], "the first forward is the same; the loss term acts through gradients"
+    assert losses(one)[1:] != losses(plain)[1:]

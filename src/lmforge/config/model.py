@@ -73,6 +73,10 @@ class MoEBalanceConfig(Section):
     freeze_at: float | None = Field(default=None, gt=0, le=1)
     """Stop updating the bias after this fraction of max_steps (e.g. 0.9); unset: update until the end."""
 
+    seq_aux_coeff: float = Field(default=0.0, ge=0)
+    """Weight of DeepSeek-V3's complementary sequence-wise balance loss, added to the training objective as
+    seq_aux_coeff x its mean over the step's segments (every MoE family); 0 leaves it out."""
+
 
 class ModelConfig(Section):
     """`[model]`: what is trained and how it is laid out on the devices."""

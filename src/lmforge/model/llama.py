@@ -120,7 +120,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
         """x [T, hidden] -> [T, hidden]."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, mask) if isinstance(self.mlp, MoE) else self.mlp(h))
 
 
 class DecoderModel(nn.Module):

@@ -9,18 +9,27 @@ of HF checkpoint files.
 Routed experts run as two grouped matmuls over the token copies sorted by expert (no Python loop over experts, no
 host sync on a CUDA device with the bf16 kernel, traceable by torch.compile), or through `Experts.impl = "loop"`, a
 per-expert reference. Each block accumulates, on the device and in training mode only, the statistics the training
-loop reads once per step: `tokens_per_expert` and `routing_confidence_sum`.
+loop reads once per step: `tokens_per_expert`, `routing_confidence_sum` and, with the sequence-wise balance loss on,
+`seq_aux_sum`.
+
+The sequence-wise balance loss (DeepSeek-V3's complementary loss) of one segment of T tokens is
+sum_i f_i P_i, with f_i = E / (k T) x (tokens of the segment that chose expert i) and P_i the mean over the
+segment's tokens of expert i's score normalized over experts. It reaches the router through the block's output: an
+autograd function passes the output through unchanged and, in backward, gives the block's summed loss the gradient
+`aux_scale` (set by the trainer each step to coeff / segments in the step), so the training objective gains
+coeff x the mean segment loss without another term in the model's return value.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lmforge.model.attention import DocumentMask
 from lmforge.model.config import MoESpec
 from lmforge.model.grouped_mm import grouped_mm
 from lmforge.model.mlp import MLP
@@ -41,6 +50,8 @@ class Routing:
     """int64 [T, k]: the chosen experts."""
     confidence: Tensor
     """fp32 [T]: share of the token's router score mass held by the chosen experts (k / E when uniform)."""
+    scores: Tensor
+    """fp32 [T, E]: the unbiased scores of every expert."""
 
 
 class Router(nn.Module):
@@ -72,7 +83,7 @@ class Router(nn.Module):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         if spec.routed_scaling_factor != 1.0:
             weights = weights * spec.routed_scaling_factor
-        return Routing(weights, indices, confidence)
+        return Routing(weights, indices, confidence, scores)
 
     @torch.no_grad()
     def update_selection_bias(self, tokens_per_expert: Tensor, coeff: float) -> Tensor:
@@ -158,6 +169,36 @@ class Experts(nn.Module):
         return torch.cat(outs)
 
 
+def seq_balance_loss(routing: Routing, doc_ids: Tensor, cu_seqlens: Tensor, num_experts: int) -> Tensor:
+    """Sum over the row's segments of DeepSeek-V3's sequence-wise balance loss sum_i f_i P_i (see the module
+    docstring); differentiable through the scores (P), not through the choices (f)."""
+    t, k = routing.indices.shape
+    segments = cu_seqlens.shape[0] - 1
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).float().unsqueeze(1)
+    seg = doc_ids.long()
+    probs = routing.scores / routing.scores.sum(-1, keepdim=True)
+    p = torch.zeros(segments, num_experts, device=probs.device, dtype=torch.float32).index_add_(0, seg, probs) / lens
+    flat = (seg.unsqueeze(1) * num_experts + routing.indices).reshape(-1)
+    hits = torch.zeros(segments * num_experts, device=probs.device, dtype=torch.float32)
+    hits = hits.index_add_(0, flat, torch.ones(t * k, device=probs.device, dtype=torch.float32))
+    f = hits.view(segments, num_experts) * (num_experts / k) / lens
+    return (f * p).sum()
+
+
+class _AuxLossGradient(torch.autograd.Function):
+    """Identity on the block output; in backward, the auxiliary loss gets the gradient `scale`."""
+
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, aux: Tensor, scale: Tensor) -> Tensor:
+        ctx.save_for_backward(scale)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        (scale,) = ctx.saved_tensors
+        return grad, scale.reshape(()).to(torch.float32), None
+
+
 def _counting() -> bool:
     """False while activation checkpointing recomputes a forward inside backward (eager), so the statistics count
     each token once. Compiled blocks apply buffer updates once per forward anyway, and the check cannot be traced."""
@@ -185,17 +226,27 @@ class MoE(nn.Module):
         )
         self.register_buffer("tokens_per_expert", torch.zeros(spec.num_experts), persistent=False)
         self.register_buffer("routing_confidence_sum", torch.zeros(()), persistent=False)
+        self.register_buffer("seq_aux_sum", torch.zeros(()), persistent=False)
+        self.register_buffer("aux_scale", torch.zeros(()), persistent=False)
+        self.seq_aux = False
+        """Add the sequence-wise balance loss in training (set by the trainer before the first forward)."""
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x [T, hidden] -> [T, hidden]."""
+    def forward(self, x: Tensor, mask: DocumentMask | None = None) -> Tensor:
+        """x [T, hidden] -> [T, hidden]; `mask` gives the segments of the sequence-wise balance loss."""
         routing = self.gate(x)
         out, counts = self.experts(x, routing.indices, routing.weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
+        aux = None
+        if self.seq_aux and self.training and mask is not None:
+            aux = seq_balance_loss(routing, mask.doc_ids, mask.cu_seqlens, self.spec.num_experts)
+            out = _AuxLossGradient.apply(out, aux, self.aux_scale)
         if self.training and _counting():
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts)
                 self.routing_confidence_sum.add_(routing.confidence.sum())
+                if aux is not None:
+                    self.seq_aux_sum.add_(aux.detach())
         return out
 
     @torch.no_grad()
@@ -203,6 +254,7 @@ class MoE(nn.Module):
         """Zero the per-step statistics."""
         self.tokens_per_expert.zero_()
         self.routing_confidence_sum.zero_()
+        self.seq_aux_sum.zero_()
 
     def reset_buffers(self) -> None:
         """Zero every buffer: the statistics and the selection bias (the state of a fresh init)."""

@@ -6,6 +6,9 @@ to the step's single SUM all-reduce, so the counts here are the step's global on
 
 - the bias update: each block's selection bias moves by coeff x sign(mean load - expert load) (DeepSeek-V3's rule),
   identically on every rank, until `freeze_at` x max_steps;
+- with `seq_aux_coeff`, the scale of the sequence-wise balance loss's gradient: seq_aux_coeff / (segments in the
+  step over all ranks), set on every block before the step's micro-batches (`lmforge.model.moe`), and its value
+  `moe/seq_aux_loss`;
 - the metrics: `max_vio/{mean,max}`, `routing_confidence/mean`, `expert_load/{min_mean,max_mean,cv,entropy}/*`,
   `expert_load/dead`, `expert_load/layer_<i>/*` and `moe/bias/{abs_mean,flips}`.
 """
@@ -13,12 +16,15 @@ to the step's single SUM all-reduce, so the counts here are the step's global on
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from lmforge.config.model import MoEBalanceConfig
+from lmforge.data.batch import MicroBatch
 from lmforge.model.moe import MoE
 
 
@@ -84,22 +90,41 @@ class MoEBalancer:
         self.freeze_step = None if cfg.freeze_at is None else math.floor(cfg.freeze_at * max_steps)
         self.balanced = [b for b in self.blocks if b.spec.selection_bias]
         self._last_sign: Tensor | None = None
+        self.seq_aux_coeff = cfg.seq_aux_coeff
+        for block in self.blocks:
+            block.seq_aux = self.seq_aux_coeff > 0
+        self._segments: Tensor | None = None
 
-    def start_step(self) -> None:
-        """Zero the blocks' statistics before the step's first micro-batch."""
+    def start_step(self, micro_batches: Sequence[MicroBatch]) -> None:
+        """Zero the blocks' statistics before the step's first micro-batch; with the sequence-wise loss on, count
+        the step's segments over all ranks (one all-reduce on the device) and set its gradient scale."""
         for block in self.blocks:
             block.reset_stats()
+        if self.seq_aux_coeff > 0:
+            device = self.blocks[0].aux_scale.device
+            segments = torch.tensor(float(sum(len(mb["seq_lens"]) for mb in micro_batches)), device=device)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(segments)
+            self._segments = segments
+            for block in self.blocks:
+                block.aux_scale.copy_(self.seq_aux_coeff / segments)
 
     def device_stats(self) -> dict[str, Tensor]:
-        """This rank's step statistics, for the step's SUM all-reduce: counts [L, E] and confidence sums [L]."""
+        """This rank's step statistics, for the step's SUM all-reduce: counts [L, E], confidence sums [L] and the
+        sequence-wise loss sums [L]."""
         return {
             "moe/counts": torch.stack([b.tokens_per_expert for b in self.blocks]),
             "moe/confidence": torch.stack([b.routing_confidence_sum for b in self.blocks]),
+            "moe/seq_aux": torch.stack([b.seq_aux_sum for b in self.blocks]),
         }
 
-    def update(self, step: int, counts: np.ndarray, confidence_sums: np.ndarray) -> dict[str, float]:
+    def update(self, step: int, counts: np.ndarray, confidence_sums: np.ndarray,
+               seq_aux_sums: np.ndarray | None = None) -> dict[str, float]:  # fmt: skip
         """After step `step`'s reduction: move the biases (unless off or frozen) and return the step's metrics."""
         metrics = load_metrics(counts, confidence_sums, self.top_k, self.layers)
+        if self._segments is not None and seq_aux_sums is not None:
+            # The objective's term: coeff x the mean over segments of each block's loss, summed over blocks.
+            metrics["moe/seq_aux_loss"] = self.seq_aux_coeff * float(np.sum(seq_aux_sums)) / float(self._segments)
         if not self.balanced:
             return metrics
         active = self.coeff > 0 and (self.freeze_step is None or step <= self.freeze_step)

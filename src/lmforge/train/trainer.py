@@ -233,7 +233,7 @@ class Trainer:
         rank's stop request; `self.stop_agreed` says afterwards whether any rank made one."""
         device, defer = self.ctx.device, self.config.model.defer_grad_sync
         if self.balancer is not None:
-            self.balancer.start_step()
+            self.balancer.start_step(micro_batches)
         stats = run_micro_batches(self.model, micro_batches, device, defer)
         wait = torch.tensor(data_wait, device=device)
         squares = group_grad_squares(self.optimizer, device)
@@ -258,7 +258,8 @@ class Trainer:
         self.stop_agreed = maxes["stop"] > 0
         routing: dict[str, float] = {}
         if self.balancer is not None:
-            routing = self.balancer.update(self.step + 1, sums.pop("moe/counts"), sums.pop("moe/confidence"))
+            moe = {k: sums.pop(k) for k in ("moe/counts", "moe/confidence", "moe/seq_aux")}
+            routing = self.balancer.update(self.step + 1, moe["moe/counts"], moe["moe/confidence"], moe["moe/seq_aux"])
         if sums["nan_count"] > 0:
             # Rare: redo the step without the bad micro-batches (on every rank, so FSDP collectives match).
             rerun_without_nonfinite(self.model, micro_batches, stats.finite.tolist(), device, defer)
