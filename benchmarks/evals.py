@@ -7,7 +7,7 @@ process, on the same model, it times:
 
 - `validation`: `validator.evaluate(model, device)`, the whole round as the trainer runs it (for a token folder: the
   loss computed in forward with the fp32 LM head and cross-entropy in chunks of 1024 tokens; for a `ctxcont` set:
-  the full logits, then fp32 log-softmax in chunks and the per-request sums).
+  each position's cross-entropy from the same fp32 chunked head, then the per-request sums).
 - `plain`: `model(input_ids, position_ids, seq_lens)` under `torch.no_grad()` in eval mode (logits only) over the
   very rows the validator scores (`validator.rows[...]`, `validator.choices[...].rows`), each moved to the device
   as the validator moves it.

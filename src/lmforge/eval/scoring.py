@@ -6,9 +6,10 @@ packed greedily in order into rows of exactly `row_tokens` positions, closed by 
 compiled blocks see one shape. Every row keeps which request each of its positions scores.
 
 Rows are dealt round-robin to the ranks (row i to rank i % world_size) and every rank runs the same number of
-forward passes, since FSDP gathers parameters in each. The model runs under `torch.no_grad` in eval mode; the
-log-probabilities are taken in fp32, `SCORING_CHUNK` positions at a time, summed per request in float64 on the
-device and all-reduced once, so the result does not depend on the world size.
+forward passes, since FSDP gathers parameters in each. The model runs under `torch.no_grad` in eval mode and gives
+each position's log-probability with the LM head and softmax in fp32, in chunks of its `loss_chunk_tokens` (1024
+when unset), never holding the full logits; they are summed per request in float64 on the device and all-reduced
+once, so the result does not depend on the world size.
 """
 
 from __future__ import annotations
@@ -25,9 +26,6 @@ from torch import nn
 from lmforge.data.batch import MicroBatch, Window, pack_windows, padding_window
 from lmforge.data.packing import fill_bins
 from lmforge.eval.sets import Request
-
-SCORING_CHUNK = 1024
-"""Positions whose fp32 log-softmax is taken at once: bounds the fp32 copy of the logits."""
 
 
 @dataclass(frozen=True)
@@ -75,8 +73,9 @@ def score_requests(
 ) -> np.ndarray:
     """float64 [n_requests]: each request's summed log-likelihood, the same on every rank.
 
-    `model(input_ids, position_ids, seq_lens)` must return logits [1, T, vocab]; the whole model is called (not
-    its parts) so that FSDP2 gathers the LM head as in training. Training mode is restored afterwards.
+    The model gives each position's cross-entropy with the LM head and softmax in fp32, chunk by chunk
+    (`CausalLM.forward(..., per_token=True)`); the whole model is called (not its parts) so that FSDP2 gathers the
+    LM head as in training. Training mode is restored afterwards.
     """
     was_training = model.training
     model.eval()
@@ -89,17 +88,12 @@ def score_requests(
             own = i < len(rows)
             row = rows[i if own else 0]
             mb = {k: v if k == "seq_lens" else v.to(device) for k, v in row.batch.items()}
-            logits = model(mb["input_ids"], mb["position_ids"], mb["seq_lens"])[0]
+            ce = model(mb["input_ids"], mb["position_ids"], mb["seq_lens"], targets=mb["target_ids"], per_token=True)
             if not own:
                 continue
             slots = torch.from_numpy(row.request_ids).to(device)
             slots = torch.where(slots >= 0, slots, n_requests)
-            targets = mb["target_ids"][0]
-            for start in range(0, logits.shape[0], SCORING_CHUNK):
-                part = slice(start, start + SCORING_CHUNK)
-                logp = torch.log_softmax(logits[part].float(), dim=-1)
-                picked = logp.gather(-1, targets[part, None])[:, 0]
-                totals.index_add_(0, slots[part], picked.double())
+            totals.index_add_(0, slots, -ce.double())
     finally:
         model.train(was_training)
     if dist.is_initialized() and dist.get_world_size() > 1:

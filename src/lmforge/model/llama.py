@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from lmforge.model.attention import AttentionFn, DocumentMask, get_attention
 from lmforge.model.config import AnyArch
-from lmforge.model.loss import head_cross_entropy
+from lmforge.model.loss import head_cross_entropy, head_token_losses
 from lmforge.model.mlp import MLP
 from lmforge.model.moe import MoE
 from lmforge.model.params import ParamCounts, active_fractions, count_params
@@ -192,12 +192,20 @@ class CausalLM(nn.Module):
         return count_params(self)
 
     def forward(
-        self, input_ids: Tensor, position_ids: Tensor, seq_lens: Tensor, targets: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        seq_lens: Tensor,
+        targets: Tensor | None = None,
+        per_token: bool = False,
     ) -> Tensor:
         """input_ids and position_ids [1, T], seq_lens [S] -> logits [1, T, vocab]; with targets [1, T]
-        (IGNORE_INDEX where there is no loss), the fp32 sum of the token cross-entropies instead. The loss is
-        computed inside forward so that FSDP sees the LM head used where it manages its parameters."""
+        (IGNORE_INDEX where there is no loss), the fp32 sum of the token cross-entropies instead, or with
+        `per_token` (scoring, no gradient) each position's fp32 cross-entropy [T]. The loss is computed inside
+        forward so that FSDP sees the LM head used where it manages its parameters."""
         hidden = self.model(input_ids, position_ids, seq_lens)
         if targets is None:
             return self.lm_head(hidden)
+        if per_token:
+            return head_token_losses(hidden[0], self.lm_head.weight, targets[0], self.loss_chunk_tokens or 1024)
         return head_cross_entropy(hidden[0], self.lm_head.weight, targets[0], self.loss_chunk_tokens)

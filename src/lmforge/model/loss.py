@@ -60,3 +60,16 @@ def head_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_to
         return _ChunkedHeadCrossEntropy.apply(hidden, weight, targets, chunk_tokens)
     logits = F.linear(hidden, weight)
     return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@torch.no_grad()
+def head_token_losses(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int) -> Tensor:
+    """fp32 cross-entropy of every position [T] (0 where the target is IGNORE_INDEX): the LM head and the softmax
+    in fp32, `chunk_tokens` positions at a time, never holding the full logits. For scoring, without gradients."""
+    out = torch.zeros(hidden.shape[0], device=hidden.device, dtype=torch.float32)
+    w = weight.float()
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        part = slice(start, start + chunk_tokens)
+        logits = hidden[part].float() @ w.T
+        out[part] = F.cross_entropy(logits, targets[part], ignore_index=IGNORE_INDEX, reduction="none")
+    return out

@@ -222,6 +222,10 @@ class Validator:
                 keys.append((name, seq_len))
                 counts = torch.tensor([float(tokens), float(scored_bytes)], device=device, dtype=torch.float64)
                 sums.append(torch.cat([loss.reshape(1), counts]))
+            logliks = {
+                key: score_requests(model, choice.rows, len(choice.requests), device, self.rank, self.world_size)
+                for key, choice in self.choices.items()
+            }
         finally:
             model.loss_chunk_tokens = chunk
             model.train(was_training)
@@ -238,7 +242,7 @@ class Validator:
             out[f"val/{name}/ppl@{seq_len}"] = math.exp(min(mean, 80.0))
             out[f"val/{name}/bpb@{seq_len}"] = loss_sum / (math.log(2) * nbytes) if nbytes else math.nan
         for (name, seq_len), choice in self.choices.items():
-            loglik = score_requests(model, choice.rows, len(choice.requests), device, self.rank, self.world_size)
+            loglik = logliks[(name, seq_len)]
             for metric, value in set_metrics(choice.set.kind, choice.set.items, choice.requests, loglik).items():
                 out[f"val/{name}/{metric}@{seq_len}"] = value
             if arrays is not None:
