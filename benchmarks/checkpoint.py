@@ -60,7 +60,7 @@ from lmforge.model.init import init_weights
 from lmforge.optim import build_optimizer
 from lmforge.train.checkpoint import CHECKPOINTS, Checkpointer, list_checkpoints, load_checkpoint, step_name
 from lmforge.train.parallel import DistContext, init_distributed, parallelize, shutdown_distributed
-from lmforge.train.trainer import padded_vocab_size
+from lmforge.train.setup import padded_vocab_size
 
 MODES = ("sync", "async", "load")
 FOREIGN_LIMIT = 0.1

@@ -63,7 +63,7 @@ from lmforge.model import LlamaArch, build_model
 from lmforge.model.init import init_weights
 from lmforge.model.llama import CausalLM
 from lmforge.model.loss import IGNORE_INDEX, head_cross_entropy
-from lmforge.train.trainer import padded_vocab_size
+from lmforge.train.setup import padded_vocab_size
 from lmforge.train.validation import SCORING_CHUNK, Validator
 
 TARGET = 0.9

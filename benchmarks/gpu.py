@@ -65,7 +65,8 @@ from rich.table import Table
 from lmforge.config import TrainConfig
 from lmforge.config.checks import check_config
 from lmforge.train.parallel import init_distributed, shutdown_distributed
-from lmforge.train.trainer import Trainer, prepare_output_dir
+from lmforge.train.setup import prepare_output_dir
+from lmforge.train.trainer import Trainer
 
 K = 1024
 

@@ -64,7 +64,8 @@ class _StepClock:
 def run_side(side: str, settings: Any, warmup: int, conn: Any) -> None:
     """Child process: train with or without monitors, send back the timed step durations."""
     from lmforge.train.parallel import init_distributed, shutdown_distributed
-    from lmforge.train.trainer import Trainer, prepare_output_dir
+    from lmforge.train.setup import prepare_output_dir
+    from lmforge.train.trainer import Trainer
 
     torch.set_num_threads(settings.threads)
     os.environ.setdefault("WANDB_SILENT", "true")

@@ -69,7 +69,8 @@ from lmforge.data.tokens import TokenData
 from lmforge.demo import prepare_demo_data
 from lmforge.train.micro_batches import token_loss_sum
 from lmforge.train.parallel import DistContext, init_distributed, shutdown_distributed
-from lmforge.train.trainer import Trainer, prepare_output_dir
+from lmforge.train.setup import prepare_output_dir
+from lmforge.train.trainer import Trainer
 
 SCHEMES = ("normal", "completep")
 OPTIMIZERS = ("adamw", "muon")

@@ -66,7 +66,8 @@ from lmforge.data.fake import FakeData
 from lmforge.model import LlamaArch, build_model
 from lmforge.model.init import init_weights
 from lmforge.train.parallel import init_distributed, shutdown_distributed
-from lmforge.train.trainer import Trainer, padded_vocab_size, prepare_output_dir
+from lmforge.train.setup import padded_vocab_size, prepare_output_dir
+from lmforge.train.trainer import Trainer
 
 THROUGHPUT_TARGET = 0.95
 """lmforge tokens/s must be at least this fraction of the plain loop's."""

@@ -49,7 +49,8 @@ def train_command(argv: list[str]) -> int:
     from lmforge.model.hf_config import HFModelError
     from lmforge.train.checkpoint import CheckpointError
     from lmforge.train.parallel import init_distributed, shutdown_distributed
-    from lmforge.train.trainer import Trainer, prepare_output_dir
+    from lmforge.train.setup import prepare_output_dir
+    from lmforge.train.trainer import Trainer
 
     ctx = init_distributed()
     try:

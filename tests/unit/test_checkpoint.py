@@ -161,7 +161,7 @@ def test_a_checkpoint_of_another_shape_is_refused_by_name(ctx: DistContext, tmp_
 
 def test_resuming_in_the_own_run_dir_keeps_one_curve(ctx: DistContext, tmp_path: Path) -> None:
     from lmforge.config import ConfigError, load_train_config
-    from lmforge.train.trainer import prepare_output_dir
+    from lmforge.train.setup import prepare_output_dir
     from tests.integration.runner import write_config
 
     cfg = write_config(tmp_path, "run")

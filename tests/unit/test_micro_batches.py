@@ -18,7 +18,8 @@ from lmforge.model.init import init_weights
 from lmforge.monitor import read_metrics
 from lmforge.train.micro_batches import run_micro_batches
 from lmforge.train.parallel import DistContext, init_distributed
-from lmforge.train.trainer import Trainer, prepare_output_dir
+from lmforge.train.setup import prepare_output_dir
+from lmforge.train.trainer import Trainer
 from tests.conftest import tiny_llama
 
 CPU = torch.device("cpu")

@@ -85,7 +85,7 @@ def _work(args: argparse.Namespace, config: TrainConfig) -> int:
     from lmforge.monitor import JsonlMonitor
     from lmforge.train.checkpoint import SNAPSHOTS, load_model_state, step_name
     from lmforge.train.parallel import init_distributed, parallelize, shutdown_distributed
-    from lmforge.train.trainer import model_vocab_size
+    from lmforge.train.setup import model_vocab_size
     from lmforge.train.validation import Validator
 
     run: Path = args.run
