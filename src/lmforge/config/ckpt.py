@@ -27,8 +27,9 @@ class CkptConfig(Section):
     """Also keep, forever, every checkpoint whose step is a multiple of keep_interval."""
 
     async_save: bool = Field(default=False, alias="async")
-    """Written as `async`: the step loop waits only while the state is copied to host memory, and the files are
-    written in a background thread; the checkpoint becomes `latest` when they are complete."""
+    """Write checkpoints in the background (the key is `async`; `async_save` is accepted too): the step loop waits
+    only while the state is copied to host memory, and the files are written in a background thread; the checkpoint
+    becomes `latest` when they are complete."""
 
 
 class ResumeConfig(Section):

@@ -35,7 +35,8 @@ class FakeDataConfig(BatchFields):
     """Data type: random tokens generated on the fly."""
 
     vocab_size: int = Field(default=512, ge=2)
-    """Number of distinct token ids drawn (the model's vocabulary, as no tokenizer is involved)."""
+    """Number of distinct token ids drawn; without a tokenizer, the model's vocabulary is this rounded up to a
+    multiple of 128."""
 
     mean_doc_len: float = Field(default=256.0, gt=1)
     """Mean document length in tokens (lengths are geometric)."""
@@ -47,7 +48,7 @@ class FakeDataConfig(BatchFields):
 
 
 class TokensDataConfig(BatchFields):
-    """`data.type = "tokens"`: pretraining on folders of datatrove token shards, read as one pool."""
+    """`data.type = "tokens"`: pretraining on folders of datatrove token shards, read as one pool (docs/data.md)."""
 
     type: Literal["tokens"] = "tokens"
     """Data type: datatrove token shards."""
@@ -64,7 +65,8 @@ Role = Literal["system", "user", "assistant", "tool"]
 
 
 class SFTDataConfig(BatchFields):
-    """`data.type = "sft"`: chat (`messages`) or `prompt`/`completion` samples, one segment each, packed."""
+    """`data.type = "sft"`: chat (`messages`) or `prompt`/`completion` samples, one segment each, packed
+    (docs/sft.md)."""
 
     type: Literal["sft"] = "sft"
     """Data type: supervised fine-tuning samples."""

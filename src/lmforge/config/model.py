@@ -24,7 +24,7 @@ class InitConfig(Section):
 
     scheme: Literal["normal", "completep"] = "normal"
     """`normal`: every matrix from N(0, std). `completep`: CompleteP (alpha = 1) relative to the base shape below:
-    init, learning rate, weight decay and Adam eps scaled per parameter role (see docs/model.md)."""
+    init, learning rate, weight decay and Adam eps scaled per parameter role (see docs/model.md#completep)."""
 
     base_hidden_size: int | None = Field(default=None, gt=0)
     """CompleteP base width: the hidden_size the hyperparameters were tuned at (width multiplier = hidden_size /
@@ -83,20 +83,22 @@ class ModelConfig(Section):
 
     name: str | None = None
     """A local Hugging Face model folder (config.json + safetensors) to start from: the architecture is read from
-    its config.json and its weights are loaded instead of a random init. Unset: train from scratch."""
+    its config.json, its weights are loaded instead of a random init, and its tokenizer files serve when
+    tokenizer.name is unset (docs/export.md). Unset: train from scratch."""
 
     arch: ArchConfig | None = None
     """The architecture: `model_type` plus its fields (see docs/model.md). Required unless `name` is set, which
     fills it in from the folder's config.json."""
 
     init: InitConfig = InitConfig()
-    """From-scratch initialization."""
+    """From-scratch initialization (docs/model.md#from-scratch-init-modelinit)."""
 
     attn: Literal["auto", "flash", "varlen", "flex", "sdpa", "sdpa_loop"] = "auto"
-    """Document-masked attention backend; `auto` picks the fastest one that can train on the device."""
+    """Document-masked attention backend; `auto` picks the fastest one that can train on the device
+    (docs/model.md#attention-backends-modelattn)."""
 
     param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """Dtype of parameters in forward/backward (master weights and gradient reduction stay fp32);
+    """Dtype of parameters in forward/backward (master weights, optimizer state and gradient reduction stay fp32);
     `auto` is bfloat16 on CUDA and float32 on CPU."""
 
     loss_chunk_tokens: int = Field(default=0, ge=0)
@@ -110,7 +112,8 @@ class ModelConfig(Section):
     """Activation checkpointing."""
 
     moe_balance: MoEBalanceConfig = MoEBalanceConfig()
-    """Load balancing of MoE routers (ignored by dense models)."""
+    """Load balancing of MoE routers, ignored by dense models
+    (docs/model.md#load-balancing-without-an-auxiliary-loss-modelmoe_balance)."""
 
     debug: DebugConfig = DebugConfig()
     """Switches for smoke runs."""

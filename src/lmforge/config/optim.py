@@ -19,10 +19,10 @@ class _OptimFields(Section):
     """Decoupled weight decay of weight matrices and embeddings; norms and biases are never decayed."""
 
     beta1: float = Field(default=0.9, ge=0, lt=1)
-    """AdamW's first-moment decay."""
+    """AdamW's first-moment decay (of the AdamW groups under Muon)."""
 
     beta2: float = Field(default=0.95, ge=0, lt=1)
-    """AdamW's second-moment decay."""
+    """AdamW's second-moment decay (of the AdamW groups under Muon)."""
 
     eps: float = Field(default=1e-8, gt=0)
     """AdamW's denominator epsilon."""
@@ -40,7 +40,7 @@ class AdamWConfig(_OptimFields):
 
 class MuonConfig(_OptimFields):
     """`optim.type = "muon"`: Muon for the 2-D matrices inside the blocks, AdamW for everything else (embeddings,
-    LM head, norms, biases, and any parameter `adamw_params` names)."""
+    LM head, norms, biases, and any parameter `adamw_params` names); see docs/training.md#optimizers."""
 
     type: Literal["muon"] = "muon"
     """Optimizer: Muon with AdamW groups."""

@@ -19,10 +19,10 @@ class LogConfig(Section):
     """`[log]`: console and metrics-file output."""
 
     interval: int = Field(default=1, ge=1)
-    """Write a console line and a metrics.jsonl record every interval steps (and at the last step)."""
+    """Write a console line and a metrics.jsonl record every interval steps (and at the first and the last step)."""
 
     spike_window: int = Field(default=100, ge=1)
-    """Steps of history whose median the spike flags compare against."""
+    """Steps of history whose median the spike flags compare against (see docs/monitoring.md)."""
 
     loss_spike_factor: float = Field(default=1.5, gt=1)
     """`loss/spike` is 1 when the step's loss exceeds this factor x the running median loss."""
@@ -36,7 +36,8 @@ class TokenizerConfig(Section):
 
     name: str | None = None
     """A local tokenizer folder (tokenizer.json + tokenizer_config.json) or tokenizer.json file; sets the model's
-    vocabulary (its length rounded up to 128) and the EOS id. Required for token-shard data."""
+    vocabulary (its length rounded up to 128) and the EOS id. Required with data.type = "tokens" or "sft"; unset, it
+    is model.name's folder when that folder has a tokenizer.json."""
 
 
 class TrainConfig(Section):
@@ -58,28 +59,29 @@ class TrainConfig(Section):
     """The training data."""
 
     optim: OptimConfig
-    """The optimizer."""
+    """The optimizer, chosen by `type`: muon when training from scratch, adamw when model.name loads pretrained
+    weights (which AdamW trained)."""
 
     schedule: ScheduleConfig = ScheduleConfig()
-    """The learning-rate schedule."""
+    """The learning-rate schedule (docs/training.md#schedule)."""
 
     log: LogConfig = LogConfig()
-    """Console and metrics output."""
+    """Console and metrics output (docs/training.md#output, docs/monitoring.md)."""
 
     ckpt: CkptConfig = CkptConfig()
-    """Checkpoints: interval, retention, async writing."""
+    """Checkpoints: interval, retention, async writing (docs/checkpoints.md)."""
 
     resume: ResumeConfig = ResumeConfig()
-    """Where the run continues from."""
+    """Where the run continues from (docs/checkpoints.md#resuming-resume)."""
 
     val: ValConfig = ValConfig()
-    """Validation on held-out sets."""
+    """Validation on held-out sets (docs/validation.md)."""
 
     eval_snapshots: EvalSnapshotsConfig = EvalSnapshotsConfig()
-    """Model-only snapshots for an eval worker (`lmforge eval`)."""
+    """Model-only snapshots for an eval worker, `lmforge eval` (docs/validation.md)."""
 
     wandb: WandbConfig = WandbConfig()
-    """Weights & Biases logging (off unless wandb.project is set)."""
+    """Weights & Biases logging, off unless wandb.project is set (docs/monitoring.md)."""
 
     @model_validator(mode="before")
     @classmethod
