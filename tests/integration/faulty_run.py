@@ -16,7 +16,8 @@ import sys
 import time
 
 from lmforge.cli import main
-from lmforge.train import checkpoint, trainer
+from lmforge.runtime import checkpoint
+from lmforge.train import trainer
 
 
 def _mine() -> bool:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lmforge.monitor import read_metrics
-from lmforge.train.checkpoint import read_latest
+from lmforge.runtime.checkpoint import read_latest
 from tests.integration.runner import run_cli
 
 pytestmark = pytest.mark.slow

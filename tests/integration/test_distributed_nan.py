@@ -26,7 +26,7 @@ def _worker(rank: int, port: int, tmp: str) -> None:
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank)}
     os.environ.update(env, WORLD_SIZE="2")
     torch.set_num_threads(1)
-    from lmforge.train.parallel import init_distributed, shutdown_distributed
+    from lmforge.parallel import init_distributed, shutdown_distributed
 
     ctx = init_distributed(timeout_minutes=2)
     config = train_config(Path(tmp), data={"type": "fake", "seq_len": 32, "batch_tokens": 256,

@@ -15,11 +15,11 @@ import torch
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.eval.scoring import pack_requests, score_requests
 from lmforge.eval.sets import EvalSet, Request, build_requests, fit_requests, read_eval_set, set_metrics
-from lmforge.hf_folder import write_model_files
 from lmforge.model import build_model
 from lmforge.model.hf_weights import write_safetensors
 from lmforge.model.init import init_weights
 from lmforge.model.llama import CausalLM
+from lmforge.runtime.hf_folder import write_model_files
 from tests.chat import WORDS, chat_tokenizer, write_jsonl
 from tests.conftest import tiny_llama
 from tests.spawn import run_ranks
@@ -113,7 +113,7 @@ def _worker(rank: int, port: int, folder: str) -> None:
     os.environ.update(env, WORLD_SIZE="2")
     torch.set_num_threads(1)
     from lmforge.config.model import ModelConfig
-    from lmforge.train.parallel import init_distributed, parallelize, shutdown_distributed
+    from lmforge.parallel import init_distributed, parallelize, shutdown_distributed
 
     ctx = init_distributed(timeout_minutes=2)
     arch = tiny_llama()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lmforge.monitor import read_metrics
-from lmforge.train.checkpoint import list_checkpoints, read_latest
+from lmforge.runtime.checkpoint import list_checkpoints, read_latest
 from tests.integration.runner import cli_command, env_one_thread, losses, run_cli, write_config
 
 pytestmark = pytest.mark.slow

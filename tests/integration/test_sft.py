@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lmforge.data import load_tokenizer
-from lmforge.hf_folder import load_pretrained
 from lmforge.monitor import read_metrics
+from lmforge.runtime.hf_folder import load_pretrained
 from tests.chat import chat_tokenizer, conversation, write_jsonl
 from tests.integration.runner import losses, run_cli
 from tests.shards import random_docs, write_shard

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lmforge.commands.tokenize import main as tokenize_main
 from lmforge.data import load_tokenizer
 from lmforge.data.shards import ShardPool
 from lmforge.monitor import read_metrics
-from lmforge.prep.tokenize import tokenize_main
 from lmforge.prep.tokenizer_train import save_tokenizer_folder, train_bpe
 from tests.integration.runner import run_cli
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from lmforge.data.tokenizer import load_tokenizer
+from lmforge.eval.validation import chunk_rows, token_bytes
 from lmforge.monitor import read_metrics
 from lmforge.prep.tokenizer_train import save_tokenizer_folder, train_bpe
-from lmforge.train.validation import chunk_rows, token_bytes
 from tests.chat import write_jsonl
 from tests.integration.runner import losses, run_cli, write_config
 from tests.shards import random_docs, word_tokenizer, write_shard

@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 
-from lmforge.viz import PANEL_IDS, RunError, ema, load_run, plot_main, report_main, select_metrics
+from lmforge.commands.plot import main as plot_main
+from lmforge.commands.report import main as report_main
+from lmforge.viz import PANEL_IDS, RunError, ema, load_run, select_metrics
 from lmforge.viz.report import render_report
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from lmforge.config.model import ModelConfig
 from lmforge.model import build_model
 from lmforge.model.config import LlamaArch
 from lmforge.model.init import init_weights
-from lmforge.train.parallel import init_distributed, parallelize, shutdown_distributed
+from lmforge.parallel import init_distributed, parallelize, shutdown_distributed
 
 if __name__ == "__main__":
     ctx = init_distributed()

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
+from lmforge.commands.chat_set import main as chat_set_main
 from lmforge.prep import chat_set
 from lmforge.prep.chat_set import (
     SYSTEM_PROMPT,
     Speech,
     build_examples,
-    chat_set_main,
     make_chat_set,
     scene_doc_id,
     scene_speeches,

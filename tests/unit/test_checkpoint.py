@@ -15,7 +15,8 @@ from lmforge.config.optim import AdamWConfig
 from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from lmforge.optim import build_optimizer
-from lmforge.train.checkpoint import (
+from lmforge.parallel import DistContext, init_distributed, parallelize
+from lmforge.runtime.checkpoint import (
     Checkpointer,
     CheckpointError,
     check_model_shapes,
@@ -26,7 +27,6 @@ from lmforge.train.checkpoint import (
     read_latest,
     retained,
 )
-from lmforge.train.parallel import DistContext, init_distributed, parallelize
 from tests.conftest import tiny_llama
 
 CPU = torch.device("cpu")
@@ -161,7 +161,7 @@ def test_a_checkpoint_of_another_shape_is_refused_by_name(ctx: DistContext, tmp_
 
 def test_resuming_in_the_own_run_dir_keeps_one_curve(ctx: DistContext, tmp_path: Path) -> None:
     from lmforge.config import ConfigError, load_train_config
-    from lmforge.train.setup import prepare_output_dir
+    from lmforge.runtime.run_dir import prepare_output_dir
     from tests.integration.runner import write_config
 
     cfg = write_config(tmp_path, "run")

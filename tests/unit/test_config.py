@@ -204,7 +204,7 @@ def test_example_configs_are_valid(path: Path, tmp_path: Path) -> None:
     if name is not None and not Path(name).exists():
         # The SFT example starts from the demo's export: stand in the demo's architecture as `lmforge export`
         # writes it, so the example is checked against the model it is meant for.
-        from lmforge.hf_folder import write_model_files
+        from lmforge.runtime.hf_folder import write_model_files
 
         demo, _ = load_train_config(["@", str(path.parents[1] / "pretrain" / "demo.toml")])
         assert demo.model.arch is not None

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from lmforge.commands.val_sets import main as val_sets_main
 from lmforge.data.tokenizer import TokenizerInfo, load_tokenizer
 from lmforge.eval.scoring import pack_requests
 from lmforge.eval.sets import (
@@ -27,8 +28,7 @@ from lmforge.eval.sets import (
     read_eval_set,
     set_metrics,
 )
-from lmforge.prep.val_sets import val_sets_main
-from lmforge.train.validation import chunk_rows
+from lmforge.eval.validation import chunk_rows
 from tests.chat import chat_tokenizer, write_jsonl
 
 MC = {"context": "the king speaks ", "continuations": ["and", "why"], "label": 1}

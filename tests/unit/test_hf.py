@@ -22,7 +22,7 @@ from lmforge.model.hf_config import (
 from lmforge.model.hf_weights import INDEX_FILE, SINGLE_FILE, load_hf_weights, write_safetensors
 from lmforge.model.init import init_weights
 from lmforge.model.llama import CausalLM
-from lmforge.train.parallel import DistContext, init_distributed
+from lmforge.parallel import DistContext, init_distributed
 from tests.conftest import tiny_llama, tiny_qwen3
 
 transformers = pytest.importorskip("transformers")

@@ -16,9 +16,9 @@ from lmforge.data.batch import MicroBatch, null_micro_batch
 from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from lmforge.monitor import read_metrics
+from lmforge.parallel import DistContext, init_distributed
+from lmforge.runtime.run_dir import prepare_output_dir
 from lmforge.train.micro_batches import run_micro_batches
-from lmforge.train.parallel import DistContext, init_distributed
-from lmforge.train.setup import prepare_output_dir
 from lmforge.train.trainer import Trainer
 from tests.conftest import tiny_llama
 
@@ -199,7 +199,7 @@ def test_activation_checkpointing_keeps_the_losses(
 def _matmuls_in_backward(mode: str) -> int:
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lmforge.train.parallel import apply_activation_checkpointing
+    from lmforge.parallel import apply_activation_checkpointing
 
     class Count(TorchDispatchMode):
         def __init__(self) -> None:

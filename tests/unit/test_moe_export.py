@@ -19,7 +19,7 @@ from lmforge.model.hf_names import export_tensors
 from lmforge.model.hf_weights import SINGLE_FILE, load_hf_weights, write_safetensors
 from lmforge.model.init import init_weights
 from lmforge.model.llama import CausalLM
-from lmforge.train.parallel import DistContext, init_distributed
+from lmforge.parallel import DistContext, init_distributed
 from tests.unit.test_moe import tiny_glm, tiny_qwen3_moe
 
 transformers = pytest.importorskip("transformers")

@@ -10,10 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lmforge.commands.tokenize import main as tokenize_main
+from lmforge.commands.tokenizer import train_main as tokenizer_main
 from lmforge.data.tokenizer import TokenizerInfo, load_tokenizer
 from lmforge.prep.text_sources import SourceError, iter_documents, list_input_files
-from lmforge.prep.tokenize import in_holdout, summarize_shards, task_share, tokenize_main
-from lmforge.prep.tokenizer_train import SPECIAL_TOKENS, save_tokenizer_folder, tokenizer_main, train_bpe
+from lmforge.prep.tokenize import in_holdout, summarize_shards, task_share
+from lmforge.prep.tokenizer_train import SPECIAL_TOKENS, save_tokenizer_folder, train_bpe
 
 pytestmark = pytest.mark.timeout(60)
 

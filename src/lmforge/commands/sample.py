@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
+from lmforge.commands.errors import CommandParser, fail, parse_args
 
-def sample_main(argv: list[str]) -> int:
+
+def main(argv: list[str]) -> int:
     """Load a model (HF folder, run directory or checkpoint), then print the prompt and its continuation."""
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="lmforge sample",
         description="Generate text with a KV cache from an HF model folder, a run directory (its latest "
         "checkpoint) or a checkpoints/step_N folder, on the CPU or a GPU.",
@@ -29,27 +30,25 @@ def sample_main(argv: list[str]) -> int:
     parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold (1 = off)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed: same seed, same text")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda when available)")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
+    if isinstance(args, int):
+        return args
 
-    from lmforge.cli import _err
     from lmforge.data.tokenizer import TokenizerError
-    from lmforge.hf_folder import load_pretrained
     from lmforge.model.generate import TextStream, generate
     from lmforge.model.hf_config import HFModelError
-    from lmforge.train.checkpoint import CheckpointError
+    from lmforge.runtime.checkpoint import CheckpointError
+    from lmforge.runtime.hf_folder import load_pretrained
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         model, tokenizer = load_pretrained(args.model, device)
     except (CheckpointError, HFModelError, TokenizerError) as e:
-        _err(str(e))
-        return 2
+        return fail("sample", str(e))
     if tokenizer is None:
-        _err(f"{args.model} has no tokenizer files: cannot turn the prompt into tokens")
-        return 2
+        return fail("sample", f"{args.model} has no tokenizer files: cannot turn the prompt into tokens")
     if not args.prompt:
-        _err("--prompt is empty: give the text to continue")
-        return 2
+        return fail("sample", "--prompt is empty: give the text to continue")
     stop = {tokenizer.eos_id}
     if args.chat:
         from lmforge.data.chat import ChatError, ChatTemplate
@@ -57,8 +56,7 @@ def sample_main(argv: list[str]) -> int:
         try:
             text = ChatTemplate.of(tokenizer).render([{"role": "user", "content": args.prompt}], True)
         except ChatError as e:
-            _err(str(e))
-            return 2
+            return fail("sample", str(e))
         # The template writes its own special tokens; a reply ends at the first special token it generates.
         ids = tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
         stop |= {int(i) for i, t in tokenizer.tokenizer.get_added_tokens_decoder().items() if t.special}

@@ -1,6 +1,6 @@
 """The micro-batch contract, and how a step's windows are dealt to ranks and micro-batches.
 
-Every data type yields micro-batches of the same form: a dict of 1-row tensors of length T (see DESIGN.md):
+Every data type yields micro-batches of the same form: a dict of 1-row tensors of length T (docs/data.md):
 `input_ids`, `target_ids`, `position_ids` (int64 [1, T]), `loss_mask` (bool [1, T]) and `seq_lens`
 (int32 [S], adding up to T). Attention and positions restart at every segment.
 

@@ -19,7 +19,6 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -128,7 +127,8 @@ class _ChoiceRows:
 
 
 class Validator:
-    """Scores the configured held-out sets with the training model; a step hook of the trainer."""
+    """Scores the configured held-out sets with a model: the training model (through the trainer's validation
+    callback) or a snapshot loaded by the eval worker."""
 
     def __init__(self, cfg: ValConfig, data: DataConfig, tokenizer: TokenizerInfo | None, rank: int,
                  world_size: int) -> None:  # fmt: skip
@@ -176,21 +176,12 @@ class Validator:
             fitted = fit_requests(requests, seq_len - 1, evs.items)
             self.choices[(name, seq_len)] = _ChoiceRows(evs, fitted, pack_requests(fitted, row_tokens))
 
-    def after_optimizer_step(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
-        """Every `val.interval` steps, add the validation metrics to the step's."""
-        if self.cfg.interval and step % self.cfg.interval == 0:
-            metrics.update(self.evaluate(trainer.model, trainer.ctx.device, self._arrays_dir(trainer, step)))
-
-    def on_train_end(self, trainer: Any) -> None:
-        """With `val.eval_on_end`, one round on the final weights, logged at the last step."""
-        if self.cfg.eval_on_end and not (self.cfg.interval and trainer.step % self.cfg.interval == 0):
-            arrays = self._arrays_dir(trainer, trainer.step)
-            trainer.monitors.log(trainer.step, self.evaluate(trainer.model, trainer.ctx.device, arrays))
-
-    def _arrays_dir(self, trainer: Any, step: int) -> Path | None:
+    def arrays_dir(self, run_dir: Path, step: int) -> Path | None:
+        """Where rank 0 writes the choice sets' per-choice scores of step `step` (None: `val.save_arrays` off, no
+        choice set, or another rank)."""
         if not self.cfg.save_arrays or not self.choices or self.rank != 0:
             return None
-        return Path(trainer.run_dir) / "val_arrays" / f"step_{step}"
+        return Path(run_dir) / "val_arrays" / f"step_{step}"
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, device: torch.device, arrays: Path | None = None) -> dict[str, float]:

@@ -1,31 +1,61 @@
-"""Optimizers over parameter-role groups, gradient norms and clipping, and the learning-rate schedule."""
+"""Optimizers over parameter-role groups, gradient norms and clipping, and the learning-rate schedule: one
+`Optimizers` object owns all of it, so the step loop makes one call per optimizer step."""
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from lmforge.config.optim import MuonConfig, OptimConfig
+from lmforge.config.optim import MuonConfig, OptimConfig, ScheduleConfig
 from lmforge.model.completep import STANDARD, RoleScale
 from lmforge.optim.groups import DECAYED_ROLES, MATRIX_ROLES, params_by_role
 from lmforge.optim.schedule import wsd_multiplier
 
-__all__ = ["Optimizers", "build_optimizer", "set_lr_multiplier", "wsd_multiplier"]
+__all__ = ["OptimizerStep", "Optimizers", "build_optimizer", "set_lr_multiplier", "wsd_multiplier"]
+
+
+@dataclass
+class OptimizerStep:
+    """What one `Optimizers.update` did."""
+
+    grad_norm: float
+    """Global gradient norm before clipping (NaN or inf when some gradient is not finite)."""
+    group_norms: dict[str, float]
+    """Gradient norm of each group (by role name), before clipping."""
+    lr_multiplier: float
+    """The schedule's multiplier of the peak learning rates at this step."""
+    skipped: bool
+    """True when the update was skipped: a non-finite gradient norm or no loss token in the step."""
 
 
 class Optimizers:
-    """The run's optimizers acting as one: Muon for the block matrices plus AdamW for the rest, or AdamW alone.
+    """The run's optimizers acting as one: Muon for the block matrices plus AdamW for the rest, or AdamW alone,
+    with the learning-rate schedule and gradient clipping that drive them.
 
     `param_groups` lists every group of every optimizer (the dicts themselves, so changes apply); each group has
-    a `name` (its role) and its peak learning rate in `base_lr`.
+    a `name` (its role) and its peak learning rate in `base_lr`. The schedule runs from `schedule_start` (0, or the
+    step a resumed run restarted its schedule at) to `max_steps`.
     """
 
-    def __init__(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    def __init__(
+        self,
+        optimizers: Iterable[torch.optim.Optimizer],
+        schedule: ScheduleConfig | None = None,
+        max_steps: int = 1,
+        max_norm: float = 0.0,
+    ) -> None:
+        """`schedule` None holds the learning rates at their peak; `max_norm` 0 turns clipping off."""
         self.optimizers = tuple(optimizers)
+        self.schedule = schedule
+        self.max_steps = max_steps
+        self.max_norm = max_norm
+        self.schedule_start = 0
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -38,7 +68,7 @@ class Optimizers:
         return {p: st for opt in self.optimizers for p, st in opt.state.items()}
 
     def step(self) -> None:
-        """One update of every group."""
+        """One update of every group at the current learning rates (no clipping, no schedule)."""
         for opt in self.optimizers:
             opt.step()
 
@@ -46,6 +76,39 @@ class Optimizers:
         """Drop (or zero) every gradient."""
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
+
+    def grad_squares(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """This rank's per-group sums of squared gradient entries, on the device (see `group_grad_squares`)."""
+        return group_grad_squares(self, device)
+
+    def lr_multiplier(self, step: int) -> float:
+        """The schedule's multiplier at optimizer step `step` (1-based)."""
+        if self.schedule is None:
+            return 1.0
+        return wsd_multiplier(step - self.schedule_start, self.max_steps - self.schedule_start, self.schedule)
+
+    def update(self, step: int, group_squares: Mapping[str, float], has_loss_tokens: bool = True) -> OptimizerStep:
+        """Optimizer step `step` (1-based) from the global per-group squared gradient norms: clip, set the
+        scheduled learning rates, update (unless the norm is not finite or the step had no loss token), and drop
+        the gradients."""
+        grad_norm = math.sqrt(sum(group_squares.values()))
+        clip_gradients(self, grad_norm, self.max_norm)
+        multiplier = self.lr_multiplier(step)
+        set_lr_multiplier(self, multiplier)
+        skipped = not math.isfinite(grad_norm) or not has_loss_tokens
+        if not skipped:
+            self.step()
+        self.zero_grad(set_to_none=True)
+        norms = {name: math.sqrt(sq) for name, sq in group_squares.items()}
+        return OptimizerStep(grad_norm, norms, multiplier, skipped)
+
+    def schedule_state(self) -> dict[str, int]:
+        """What a checkpoint keeps of the schedule (the optimizers' own state goes through DCP)."""
+        return {"schedule_start": self.schedule_start}
+
+    def load_schedule_state(self, state: Mapping[str, Any]) -> None:
+        """Restore what `schedule_state` returned."""
+        self.schedule_start = int(state["schedule_start"])
 
 
 def _group(name: str, named: list[tuple[str, nn.Parameter]], lr: float, weight_decay: float, **extra: Any) -> dict:
@@ -65,9 +128,12 @@ def build_optimizer(
     cfg: OptimConfig,
     device: torch.device,
     scale: Callable[[str], RoleScale] = lambda role: STANDARD,
+    schedule: ScheduleConfig | None = None,
+    max_steps: int = 1,
 ) -> Optimizers:
     """Groups by parameter role, each with its learning rate, weight decay and eps times the role's `scale`
-    (CompleteP; 1 otherwise). Muon takes the matrix roles (minus `adamw_params`), AdamW the rest."""
+    (CompleteP; 1 otherwise). Muon takes the matrix roles (minus `adamw_params`), AdamW the rest. With
+    `schedule`, `Optimizers.update` follows it over `max_steps`; clipping uses `cfg.max_norm`."""
     by_role = params_by_role(model)
     adamw_lr = (cfg.adamw_lr or cfg.lr) if isinstance(cfg, MuonConfig) else cfg.lr
     muon_groups: list[dict[str, Any]] = []
@@ -105,7 +171,7 @@ def build_optimizer(
         optimizers.append(
             torch.optim.AdamW(adamw_groups, lr=adamw_lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kind)
         )
-    return Optimizers(optimizers)
+    return Optimizers(optimizers, schedule, max_steps, cfg.max_norm)
 
 
 def set_lr_multiplier(optimizer: Optimizers | torch.optim.Optimizer, multiplier: float) -> None:

@@ -1,4 +1,4 @@
-"""`lmforge chat-set`: a small chat SFT set made offline from the demo's Shakespeare scenes.
+"""A small chat SFT set made offline from the demo's Shakespeare scenes (`lmforge chat-set`).
 
 Each example is a JSON line `{"id": ..., "messages": [{"role": ..., "content": ...}, ...]}` built from the spoken
 lines of one scene (stage directions and empty lines are skipped) for one of three tasks:
@@ -17,20 +17,16 @@ gives byte-identical files.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import re
-import sys
-import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmforge.prep.command import parse_args, usage_error
 from lmforge.prep.shakespeare import Scene, shakespeare_scenes
 from lmforge.prep.tokenize import in_holdout
 
@@ -54,6 +50,11 @@ per wanted example and comes out smaller."""
 _NAME_PARTICLES = frozenset({"of", "and", "the", "de", "du", "le", "la", "&", "in", "to", "a"})
 _BRACKETED = re.compile(r"\[[^\[\]]*\]")
 _MARKDOWN_ESCAPE = re.compile(r"\\([-\\`*_{}()#+.!'\"])")
+
+
+class ChatSetError(ValueError):
+    """A chat set that cannot be written: an option out of range, an output path that is not a folder, no plays
+    installed, or scenes that give no training example."""
 
 
 @dataclass(frozen=True)
@@ -307,51 +308,30 @@ def summary(chat_set: ChatSet, seconds: float) -> str:
     )
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lmforge chat-set",
-        description="Write a small chat SFT set (train.jsonl, val.jsonl of {id, messages}) made from Shakespeare's "
-        "plays: continue a line, name the play, name the speaker. Val holds whole scenes.",
-    )
-    parser.add_argument("--output", type=Path, required=True, help="folder for train.jsonl and val.jsonl")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the scene split and of the sampling")
-    parser.add_argument(
-        "--val-fraction", type=float, default=0.05, help="share of scenes held out for val.jsonl, in [0, 1)"
-    )
-    parser.add_argument(
-        "--max-examples",
-        type=int,
-        default=DEFAULT_TRAIN_EXAMPLES,
-        help=f"train examples to write (default {DEFAULT_TRAIN_EXAMPLES}; fewer if the scenes run out); val gets "
-        "as many per spoken line of its scenes",
-    )
-    return parser
+def write_chat_set(
+    output: Path, seed: int = 0, val_fraction: float = 0.05, train_examples: int = DEFAULT_TRAIN_EXAMPLES
+) -> ChatSet:
+    """Build the chat set from the installed plays (`shakespeare_scenes`, `make_chat_set`) and write
+    `output/train.jsonl` and `output/val.jsonl` (`write_jsonl`); returns what was written.
 
-
-def chat_set_main(argv: list[str]) -> int:
-    """Run `lmforge chat-set` with the arguments after `chat-set`; returns the exit code (2 for bad input)."""
-    args = parse_args(_parser(), argv)
-    if isinstance(args, int):
-        return args
-    prog = "lmforge chat-set"
-    if not 0.0 <= args.val_fraction < 1.0:
-        return usage_error(prog, f"--val-fraction {args.val_fraction}: must be at least 0 and below 1")
-    if args.max_examples < 1:
-        return usage_error(prog, f"--max-examples {args.max_examples}: must be at least 1")
-    if args.output.exists() and not args.output.is_dir():
-        return usage_error(prog, f"--output {args.output}: exists and is not a folder")
-    start = time.perf_counter()
+    Raises `ChatSetError` for an option out of range, an `output` that is not a folder, missing plays or a train
+    split with no example; nothing is written then.
+    """
+    # Messages name the command-line option of each value: `lmforge chat-set` passes them through as they are.
+    if not 0.0 <= val_fraction < 1.0:
+        raise ChatSetError(f"--val-fraction {val_fraction}: must be at least 0 and below 1")
+    if train_examples < 1:
+        raise ChatSetError(f"--max-examples {train_examples}: must be at least 1")
+    if output.exists() and not output.is_dir():
+        raise ChatSetError(f"--output {output}: exists and is not a folder")
     try:
         scenes = shakespeare_scenes()
     except FileNotFoundError as e:
-        return usage_error(prog, str(e))
-    chat_set = make_chat_set(scenes, args.seed, args.val_fraction, args.max_examples)
+        raise ChatSetError(str(e)) from e
+    chat_set = make_chat_set(scenes, seed, val_fraction, train_examples)
     if not chat_set.train:
-        return usage_error(prog, "the scenes gave no training examples")
-    args.output.mkdir(parents=True, exist_ok=True)
-    write_jsonl(args.output / "train.jsonl", chat_set.train)
-    write_jsonl(args.output / "val.jsonl", chat_set.val)
-    print(f"{summary(chat_set, time.perf_counter() - start)} -> {args.output}")
-    if args.val_fraction > 0 and not chat_set.val:
-        print(f"warning: no scene was drawn for val at --val-fraction {args.val_fraction}", file=sys.stderr)
-    return 0
+        raise ChatSetError("the scenes gave no training examples")
+    output.mkdir(parents=True, exist_ok=True)
+    write_jsonl(output / "train.jsonl", chat_set.train)
+    write_jsonl(output / "val.jsonl", chat_set.val)
+    return chat_set

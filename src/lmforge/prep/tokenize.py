@@ -1,4 +1,4 @@
-"""`lmforge tokenize`: local text -> datatrove token shards, written by datatrove's own `DocumentTokenizer`.
+"""Local text -> datatrove token shards, written by datatrove's own `DocumentTokenizer` (`lmforge tokenize`).
 
 Documents come from `text_sources` through a small reader step; datatrove's `LocalPipelineExecutor` runs `--tasks`
 tasks, each reading a disjoint share of the documents and writing its own shard files. An optional holdout split
@@ -8,11 +8,10 @@ datatrove's logs and stats go to `<output>/.datatrove/`; shard readers only look
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import shutil
-import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +22,7 @@ from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.tokens import DocumentTokenizer
 from datatrove.utils.logging import logger
 
-from lmforge.data.tokenizer import TokenizerError, load_tokenizer
-from lmforge.prep.command import parse_args, usage_error
+from lmforge.data.tokenizer import load_tokenizer
 from lmforge.prep.text_sources import InputFile, SourceError, iter_file_documents, list_input_files
 
 LOG_DIR_NAME = ".datatrove"
@@ -212,25 +210,6 @@ def run_tokenize_job(
     return summarize_shards(job.output)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lmforge tokenize",
-        description="Tokenize local text into datatrove token shards (.ds, .ds.index, .ds.metadata).",
-    )
-    parser.add_argument("inputs", nargs="+", type=Path, help="text files, folders of them, .jsonl or .parquet files")
-    parser.add_argument("--tokenizer", type=Path, required=True, help="tokenizer folder or tokenizer.json")
-    parser.add_argument("--output", type=Path, required=True, help="folder for the token shards")
-    parser.add_argument("--text-key", default="text", help="JSONL field / parquet column holding the text")
-    parser.add_argument("--tasks", type=int, default=1, help="datatrove tasks, each writes its own files")
-    parser.add_argument("--workers", type=int, default=None, help="tasks run at once (default min(tasks, CPUs))")
-    parser.add_argument("--max-tokens-per-file", type=int, default=None, help="split a task's output into files")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the document shuffle and the holdout draw")
-    parser.add_argument("--holdout", type=float, default=None, help="fraction of documents to hold out, in (0, 1)")
-    parser.add_argument("--holdout-output", type=Path, default=None, help="folder for the holdout shards")
-    parser.add_argument("--overwrite", action="store_true", help="replace the shards in existing output folders")
-    return parser
-
-
 def _cpu_count() -> int:
     # The affinity mask is what this process may use (containers, taskset), not the machine's total.
     if hasattr(os, "sched_getaffinity"):
@@ -238,72 +217,81 @@ def _cpu_count() -> int:
     return os.cpu_count() or 1
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    if args.tasks < 1:
-        raise SourceError(f"--tasks {args.tasks}: must be at least 1")
-    if args.workers is not None and args.workers < 1:
-        raise SourceError(f"--workers {args.workers}: must be at least 1")
-    if args.max_tokens_per_file is not None and args.max_tokens_per_file < 1:
-        raise SourceError(f"--max-tokens-per-file {args.max_tokens_per_file}: must be at least 1")
-    if (args.holdout is None) != (args.holdout_output is None):
-        raise SourceError("--holdout and --holdout-output go together: give both or neither")
-    if args.holdout is not None:
-        if not 0.0 < args.holdout < 1.0:
-            raise SourceError(f"--holdout {args.holdout}: must be a fraction strictly between 0 and 1")
-        if args.holdout_output.resolve() == args.output.resolve():
-            raise SourceError(f"--holdout-output {args.holdout_output}: must differ from --output")
-
-
-def _jobs(args: argparse.Namespace) -> list[TokenizeJob]:
-    if args.holdout is None:
-        return [TokenizeJob("train", "--output", args.output, None)]
+def tokenize_jobs(output: Path, seed: int, holdout: float | None, holdout_output: Path | None) -> list[TokenizeJob]:
+    """The jobs of one tokenize run: every document into `output`, or, with a holdout fraction, the documents
+    drawn for the holdout into `holdout_output` and the rest into `output`."""
+    if holdout is None or holdout_output is None:
+        return [TokenizeJob("train", "--output", output, None)]
     return [
-        TokenizeJob("train", "--output", args.output, Split(args.seed, args.holdout, holdout=False)),
-        TokenizeJob("holdout", "--holdout-output", args.holdout_output, Split(args.seed, args.holdout, holdout=True)),
+        TokenizeJob("train", "--output", output, Split(seed, holdout, holdout=False)),
+        TokenizeJob("holdout", "--holdout-output", holdout_output, Split(seed, holdout, holdout=True)),
     ]
 
 
-def _error(message: str) -> int:
-    return usage_error("lmforge tokenize", message)
+def _check_options(
+    output: Path,
+    tasks: int,
+    workers: int | None,
+    max_tokens_per_file: int | None,
+    holdout: float | None,
+    holdout_output: Path | None,
+) -> None:
+    # Messages name the command-line option of each value: the command passes them through as they are.
+    if tasks < 1:
+        raise SourceError(f"--tasks {tasks}: must be at least 1")
+    if workers is not None and workers < 1:
+        raise SourceError(f"--workers {workers}: must be at least 1")
+    if max_tokens_per_file is not None and max_tokens_per_file < 1:
+        raise SourceError(f"--max-tokens-per-file {max_tokens_per_file}: must be at least 1")
+    if (holdout is None) != (holdout_output is None):
+        raise SourceError("--holdout and --holdout-output go together: give both or neither")
+    if holdout is not None and holdout_output is not None:
+        if not 0.0 < holdout < 1.0:
+            raise SourceError(f"--holdout {holdout}: must be a fraction strictly between 0 and 1")
+        if holdout_output.resolve() == output.resolve():
+            raise SourceError(f"--holdout-output {holdout_output}: must differ from --output")
 
 
-def tokenize_main(argv: list[str]) -> int:
-    """Run `lmforge tokenize` with the arguments after `tokenize`; returns the exit code (2 for bad input)."""
-    args = parse_args(_parser(), argv)
-    if isinstance(args, int):
-        return args
-    try:
-        _check_args(args)
-        jobs = _jobs(args)
-        info = load_tokenizer(args.tokenizer)
-        files = list_input_files(args.inputs)
-        prepare_outputs({job.flag: job.output for job in jobs}, args.overwrite)
-    except (SourceError, TokenizerError) as e:
-        return _error(str(e))
-    workers = args.workers if args.workers is not None else min(args.tasks, _cpu_count())
-    summaries: dict[str, ShardSummary] = {}
+def tokenize_corpus(
+    inputs: Sequence[Path],
+    tokenizer: Path,
+    output: Path,
+    *,
+    text_key: str = "text",
+    tasks: int = 1,
+    workers: int | None = None,
+    max_tokens_per_file: int | None = None,
+    seed: int = 0,
+    holdout: float | None = None,
+    holdout_output: Path | None = None,
+    overwrite: bool = False,
+) -> list[tuple[TokenizeJob, ShardSummary]]:
+    """Tokenize the documents of `inputs` into datatrove token shards in `output` (and, with a `holdout` fraction
+    in (0, 1), the held-out documents into `holdout_output`); returns each job with what its folder then holds.
+
+    `tokenizer` is a tokenizer folder or `tokenizer.json`; `workers` defaults to min(`tasks`, usable CPUs). The
+    options, the tokenizer, the inputs and the output folders (see `prepare_outputs`) are all checked before any
+    tokenizing starts. Raises `SourceError` or `TokenizerError` for bad input; an input error met while tokenizing
+    clears the output folders again, so a fixed rerun needs no `overwrite`.
+    """
+    _check_options(output, tasks, workers, max_tokens_per_file, holdout, holdout_output)
+    jobs = tokenize_jobs(output, seed, holdout, holdout_output)
+    info = load_tokenizer(tokenizer)
+    files = list_input_files(list(inputs))
+    prepare_outputs({job.flag: job.output for job in jobs}, overwrite)
+    if workers is None:
+        workers = min(tasks, _cpu_count())
+    results: list[tuple[TokenizeJob, ShardSummary]] = []
     try:
         for job in jobs:
-            summaries[job.label] = run_tokenize_job(
-                job,
-                files,
-                args.text_key,
-                info.path.resolve(),
-                info.eos_token,
-                args.tasks,
-                workers,
-                args.seed,
-                args.max_tokens_per_file,
+            summary = run_tokenize_job(
+                job, files, text_key, info.path.resolve(), info.eos_token, tasks, workers, seed, max_tokens_per_file
             )
-    except SourceError as e:
-        # Everything in the output folders was written by this run (they were empty or cleared): drop the
-        # partial shards so a fixed rerun does not need --overwrite.
+            results.append((job, summary))
+    except SourceError:
+        # Everything in the output folders was written by this call (they were empty or cleared): drop the
+        # partial shards so that the folders look as they did before.
         for job in jobs:
             _clear(job.output)
-        return _error(str(e))
-    for job in jobs:
-        s = summaries[job.label]
-        print(f"{job.label}: {s.documents} documents, {s.tokens} tokens, {s.files} files -> {job.output}")
-        if s.documents == 0:
-            print(f"warning: {job.label} got no documents", file=sys.stderr)
-    return 0
+        raise
+    return results

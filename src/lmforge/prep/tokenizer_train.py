@@ -1,4 +1,4 @@
-"""`lmforge tokenizer train`: a byte-level BPE tokenizer trained with HF `tokenizers` on local text.
+"""A byte-level BPE tokenizer trained with HF `tokenizers` on local text (`lmforge tokenizer train`).
 
 The saved folder (`tokenizer.json`, `tokenizer_config.json`, `special_tokens_map.json`) loads offline with
 `lmforge.data.tokenizer.load_tokenizer` and with `transformers.AutoTokenizer.from_pretrained`.
@@ -6,14 +6,13 @@ The saved folder (`tokenizer.json`, `tokenizer_config.json`, `special_tokens_map
 
 from __future__ import annotations
 
-import argparse
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from lmforge.prep.command import parse_args, usage_error
 from lmforge.prep.text_sources import SourceError, iter_file_documents, list_input_files
 
 BOS_TOKEN = "<|begin_of_text|>"
@@ -113,52 +112,52 @@ class _Counted:
             yield text
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lmforge tokenizer train",
-        description="Train a byte-level BPE tokenizer on local text (.txt/.md files, folders, .jsonl, .parquet).",
-    )
-    parser.add_argument("inputs", nargs="+", type=Path, help="text files, folders of them, .jsonl or .parquet files")
-    parser.add_argument("--output", type=Path, required=True, help="folder to write the tokenizer into")
-    parser.add_argument("--vocab-size", type=int, default=8192, help="target vocabulary size (default 8192)")
-    parser.add_argument("--min-frequency", type=int, default=2, help="minimum count of a merged pair (default 2)")
-    parser.add_argument("--text-key", default="text", help="JSONL field / parquet column holding the text")
-    parser.add_argument("--model-max-length", type=int, default=2048, help="model_max_length in tokenizer_config")
-    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty output folder")
-    return parser
+@dataclass(frozen=True)
+class TrainedTokenizer:
+    """What `train_tokenizer` wrote and read."""
+
+    output: Path
+    """The tokenizer folder."""
+    vocab_size: int
+    """The vocabulary size reached, special tokens included (at most the size asked for)."""
+    files: int
+    """Input files read."""
+    documents: int
+    """Documents read from them."""
 
 
-def _error(message: str) -> int:
-    return usage_error("lmforge tokenizer train", message)
+def train_tokenizer(
+    inputs: Sequence[Path],
+    output: Path,
+    *,
+    vocab_size: int = 8192,
+    min_frequency: int = 2,
+    text_key: str = "text",
+    model_max_length: int = 2048,
+    overwrite: bool = False,
+) -> TrainedTokenizer:
+    """Train a byte-level BPE (`train_bpe`) on the documents of `inputs` and save it as a tokenizer folder
+    (`save_tokenizer_folder`) in `output`.
 
-
-def tokenizer_main(argv: list[str]) -> int:
-    """Run `lmforge tokenizer train` with the arguments after `train`; returns the exit code (2 for bad input)."""
-    args = parse_args(_parser(), argv)
-    if isinstance(args, int):
-        return args
-    out: Path = args.output
-    if out.exists() and not out.is_dir():
-        return _error(f"--output {out}: exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
-        return _error(f"--output {out}: folder is not empty (pass --overwrite to write into it)")
-    if args.vocab_size < MIN_VOCAB_SIZE:
-        return _error(f"--vocab-size {args.vocab_size}: must be at least {MIN_VOCAB_SIZE}")
-    if args.min_frequency < 1:
-        return _error(f"--min-frequency {args.min_frequency}: must be at least 1")
-    if args.model_max_length < 1:
-        return _error(f"--model-max-length {args.model_max_length}: must be positive")
-    try:
-        files = list_input_files(args.inputs)
-        texts = _Counted(doc for file in files for doc in iter_file_documents(file, args.text_key))
-        tok = train_bpe(texts, args.vocab_size, args.min_frequency)
-    except SourceError as e:
-        return _error(str(e))
+    The output folder and the options are checked before any input is read; a non-empty `output` is refused
+    unless `overwrite`, which writes the tokenizer files into it and leaves its other files alone. Nothing is
+    written when the inputs hold no document. Raises `SourceError` for bad input.
+    """
+    # Messages name the command-line option of each value: `lmforge tokenizer train` passes them through as they are.
+    if output.exists() and not output.is_dir():
+        raise SourceError(f"--output {output}: exists and is not a folder")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise SourceError(f"--output {output}: folder is not empty (pass --overwrite to write into it)")
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise SourceError(f"--vocab-size {vocab_size}: must be at least {MIN_VOCAB_SIZE}")
+    if min_frequency < 1:
+        raise SourceError(f"--min-frequency {min_frequency}: must be at least 1")
+    if model_max_length < 1:
+        raise SourceError(f"--model-max-length {model_max_length}: must be positive")
+    files = list_input_files(list(inputs))
+    texts = _Counted(doc for file in files for doc in iter_file_documents(file, text_key))
+    tok = train_bpe(texts, vocab_size, min_frequency)
     if texts.count == 0:
-        return _error("the inputs hold no text")
-    save_tokenizer_folder(tok, out, args.model_max_length)
-    print(
-        f"tokenizer: vocab {tok.get_vocab_size(with_added_tokens=True)} (asked {args.vocab_size}), "
-        f"{len(files)} files, {texts.count} documents -> {out}"
-    )
-    return 0
+        raise SourceError("the inputs hold no text")
+    save_tokenizer_folder(tok, output, model_max_length)
+    return TrainedTokenizer(output, tok.get_vocab_size(with_added_tokens=True), len(files), texts.count)

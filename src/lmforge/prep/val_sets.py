@@ -1,4 +1,4 @@
-"""`lmforge val-sets`: lm-evaluation-harness-style JSON lines -> an eval set file `OUTPUT/NAME.KIND.jsonl`.
+"""lm-evaluation-harness-style JSON lines -> an eval set file `OUTPUT/NAME.KIND.jsonl` (`lmforge val-sets`).
 
 - `--kind ctxcont`: rows `{"context" | "query" | "ctx": str, "choices": [str, ...], "gold": int}` become
   `{"context", "continuations", "label"}`; the first of the three context fields a row has is used.
@@ -11,24 +11,25 @@ as they are converted; an error names the file and line and nothing is written.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lmforge.data.records import Record, RecordError, read_records
-from lmforge.prep.command import parse_args, usage_error
 
-PROG = "lmforge val-sets"
+KINDS = ("ctxcont", "pairs")
+"""The kinds of eval set this module writes."""
 CONTEXT_KEYS = ("context", "query", "ctx")
 """Fields that may hold a `ctxcont` row's context, in order of preference."""
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
 
 class ConvertError(ValueError):
-    """An input row that cannot be converted; the message names the file and line."""
+    """Input that cannot become an eval set file: a row (the message names the file and line), a set name or an
+    output folder."""
 
 
 def _string(record: Record, key: str) -> str:
@@ -74,41 +75,37 @@ def convert(path: Path, kind: str, delimiter: str = "") -> list[dict[str, Any]]:
     return [pairs_row(r) for r in records]
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Turn lm-evaluation-harness-style JSON lines into an eval set file OUTPUT/NAME.KIND.jsonl "
-        "for val.data_dir: multiple choice ({context|query|ctx, choices, gold}) or minimal pairs "
-        "({sentence_good, sentence_bad}).",
-    )
-    parser.add_argument("input", type=Path, help="the input .jsonl (or .parquet) file")
-    parser.add_argument("--kind", choices=("ctxcont", "pairs"), required=True, help="the kind of set to write")
-    parser.add_argument("--output", type=Path, required=True, help="folder for NAME.KIND.jsonl (created)")
-    parser.add_argument("--name", help="the set's name in metric keys (default: the input file's stem)")
-    parser.add_argument(
-        "--delimiter", default="", help="text put before every choice, e.g. ' ' as lm-evaluation-harness does"
-    )
-    return parser
+@dataclass(frozen=True)
+class ValSetFile:
+    """An eval set file written by `write_val_set`."""
+
+    path: Path
+    """`OUTPUT/NAME.KIND.jsonl`."""
+    items: int
+    """Rows written, one per input row."""
 
 
-def val_sets_main(argv: list[str]) -> int:
-    """Run `lmforge val-sets` with the arguments after `val-sets`; returns the exit code (2 for bad input)."""
-    args = parse_args(_parser(), argv)
-    if isinstance(args, int):
-        return args
-    name = args.name if args.name is not None else args.input.name.removesuffix(args.input.suffix)
+def write_val_set(
+    input_path: Path, kind: str, output: Path, name: str | None = None, delimiter: str = ""
+) -> ValSetFile:
+    """Convert `input_path` to `kind` rows (see `convert`) and write them to `output/NAME.KIND.jsonl`.
+
+    `name` defaults to the input file's stem; it must be a set name that metric keys can carry. The whole file is
+    converted before anything is written, and the file is replaced in one move, so a reader never sees half of
+    it. Raises `ConvertError` for a bad name, kind, output folder or input row.
+    """
+    if kind not in KINDS:
+        raise ConvertError(f"kind {kind!r}: must be one of {', '.join(KINDS)}")
+    if name is None:
+        name = input_path.name.removesuffix(input_path.suffix)
     if not _NAME.fullmatch(name):
-        return usage_error(PROG, f"set name {name!r}: use letters, digits, '_', '-' and '.' (pass --name)")
-    if args.output.exists() and not args.output.is_dir():
-        return usage_error(PROG, f"--output {args.output}: exists and is not a folder")
-    try:
-        rows = convert(args.input, args.kind, args.delimiter)
-    except ConvertError as e:
-        return usage_error(PROG, str(e))
-    args.output.mkdir(parents=True, exist_ok=True)
-    out = args.output / f"{name}.{args.kind}.jsonl"
+        raise ConvertError(f"set name {name!r}: use letters, digits, '_', '-' and '.' (pass --name)")
+    if output.exists() and not output.is_dir():
+        raise ConvertError(f"--output {output}: exists and is not a folder")
+    rows = convert(input_path, kind, delimiter)
+    output.mkdir(parents=True, exist_ok=True)
+    out = output / f"{name}.{kind}.jsonl"
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     os.replace(tmp, out)
-    print(f"val-sets: {len(rows)} {args.kind} items -> {out}")
-    return 0
+    return ValSetFile(out, len(rows))

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lmforge.config.ckpt import CkptConfig
-from lmforge.train.parallel import DistContext
+from lmforge.parallel import DistContext
 
 CHECKPOINTS = "checkpoints"
 SNAPSHOTS = "snapshots"

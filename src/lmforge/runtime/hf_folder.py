@@ -25,7 +25,7 @@ from lmforge.model.hf_config import (
 from lmforge.model.hf_names import export_tensors
 from lmforge.model.hf_weights import load_hf_weights, write_safetensors
 from lmforge.model.llama import CausalLM
-from lmforge.train.checkpoint import MODEL_FILES, CheckpointError, find_checkpoint, load_model_weights
+from lmforge.runtime.checkpoint import MODEL_FILES, CheckpointError, find_checkpoint, load_model_weights
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -1,4 +1,4 @@
-"""Run setup before the step loop: the model's vocabulary size and the run directory (resume or start over)."""
+"""The run directory before the step loop: start it, resume in it, or start it over."""
 
 from __future__ import annotations
 
@@ -8,36 +8,7 @@ from pathlib import Path
 
 from lmforge.config.loader import ConfigError, dump_toml
 from lmforge.config.train import TrainConfig
-from lmforge.data import TokenizerInfo
-from lmforge.train.checkpoint import CHECKPOINTS, find_checkpoint, read_trainer_state, write_atomic
-
-VOCAB_MULTIPLE = 128
-
-
-def padded_vocab_size(n: int) -> int:
-    """The model's vocabulary: n token ids rounded up to a multiple of 128 (faster matmuls, shardable)."""
-    return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-
-
-def model_vocab_size(config: TrainConfig, tokenizer: TokenizerInfo | None) -> int:
-    """The model's vocabulary: a pretrained model's own, else the tokenizer's length (or fake data's id range)
-    rounded up to 128."""
-    if config.model.name is not None:
-        from lmforge.model.hf_config import read_hf_config
-
-        vocab = read_hf_config(Path(config.model.name)).vocab_size
-        ids = tokenizer.size if tokenizer is not None else getattr(config.data, "vocab_size", 0)
-        if ids > vocab:
-            raise ConfigError(f"model.name {config.model.name} has {vocab} embeddings, fewer than the {ids} token ids")
-        return vocab
-    if tokenizer is not None:
-        if config.data.type == "fake" and config.data.vocab_size > tokenizer.size:
-            raise ConfigError(
-                f"data.vocab_size ({config.data.vocab_size}) exceeds the tokenizer's {tokenizer.size} ids"
-            )
-        return padded_vocab_size(tokenizer.size)
-    assert config.data.type == "fake", "token data requires a tokenizer (checked with the config)"
-    return padded_vocab_size(config.data.vocab_size)
+from lmforge.runtime.checkpoint import CHECKPOINTS, CheckpointError, find_checkpoint, read_trainer_state, write_atomic
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
@@ -78,3 +49,22 @@ def prepare_output_dir(config: TrainConfig, overwrite: bool) -> Path | None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(dump_toml(config), encoding="utf-8")
     return ckpt
+
+
+def prepare_run(config: TrainConfig, overwrite: bool) -> Path | None:
+    """`prepare_output_dir` on rank 0, its outcome shared with every rank: the checkpoint to resume from, or the
+    same `ConfigError` raised on every rank, so that no rank waits alone for the others."""
+    import torch.distributed as dist
+
+    shared: list[object] = [None, None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            ckpt = prepare_output_dir(config, overwrite)
+            shared[1] = None if ckpt is None else str(ckpt)
+        except (ConfigError, CheckpointError) as e:
+            shared[0] = str(e)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(shared, src=0)
+    if shared[0] is not None:
+        raise ConfigError(str(shared[0]))
+    return None if shared[1] is None else Path(str(shared[1]))

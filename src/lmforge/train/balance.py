@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,6 +27,10 @@ from torch import Tensor, nn
 from lmforge.config.model import MoEBalanceConfig
 from lmforge.data.batch import MicroBatch
 from lmforge.model.moe import MoE
+from lmforge.train.callbacks import Callback
+
+if TYPE_CHECKING:
+    from lmforge.train.trainer import Trainer
 
 
 def load_stats(counts: np.ndarray) -> dict[str, np.ndarray]:
@@ -77,8 +82,8 @@ def load_metrics(counts: np.ndarray, confidence_sums: np.ndarray, top_k: int, la
     return out
 
 
-class MoEBalancer:
-    """Reads the MoE blocks' step statistics and moves their selection biases (a part of the trainer)."""
+class MoEBalancer(Callback):
+    """Reads the MoE blocks' step statistics and moves their selection biases: a callback of every MoE run."""
 
     def __init__(self, model: nn.Module, cfg: MoEBalanceConfig, coeff_override: float | None, max_steps: int) -> None:
         """`coeff_override` is the arch's `load_balance_coeff` (GLM-4.5 style), which wins over `cfg.coeff`."""
@@ -141,3 +146,16 @@ class MoEBalancer:
         biases = torch.stack([b.gate.e_score_correction_bias.detach().float().cpu() for b in self.balanced])
         metrics["moe/bias/abs_mean"] = float(biases.abs().mean())
         return metrics
+
+    def on_step_start(self, trainer: Trainer, micro_batches: Sequence[MicroBatch]) -> None:
+        """See `start_step`."""
+        self.start_step(micro_batches)
+
+    def step_sums(self, trainer: Trainer) -> dict[str, Tensor]:
+        """See `device_stats`."""
+        return self.device_stats()
+
+    def on_step_reduced(self, trainer: Trainer, sums: dict[str, Any]) -> dict[str, float]:
+        """Move the biases from the step's global counts (before the optimizer update) and return the routing
+        metrics of step `trainer.step + 1`."""
+        return self.update(trainer.step + 1, sums["moe/counts"], sums["moe/confidence"], sums["moe/seq_aux"])

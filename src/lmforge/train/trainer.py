@@ -1,10 +1,14 @@
-"""The one training loop: setup, then one optimizer step at a time, then hooks and monitors.
+"""The one training loop. Every data type and init goes through it:
 
-Every data type and init goes through here; features that only some runs need are step hooks.
+    for each step:  micro-batches -> forward/backward -> one reduction -> clip, schedule and update -> metrics
+
+A `Trainer` is made of typed parts (model, optimizers, data stream, monitors) and a list of callbacks, the
+optional features that only some runs use (see `lmforge.train.callbacks`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -13,296 +17,272 @@ from typing import Any
 
 import torch
 
-from lmforge.config.ckpt import CkptConfig
 from lmforge.config.train import TrainConfig
-from lmforge.data import build_step_data, load_tokenizer
+from lmforge.data import TokenizerInfo, build_step_data, load_tokenizer
 from lmforge.data.batch import MicroBatch
 from lmforge.data.prefetch import Prefetcher
-from lmforge.data.sft import SFTData, describe
-from lmforge.data.tokens import TokenData
-from lmforge.model import build_model
+from lmforge.data.stream import DataSummary, open_stream, summarize
+from lmforge.eval.validation import Validator
 from lmforge.model.completep import role_scales
 from lmforge.model.init import init_weights
+from lmforge.model.llama import CausalLM
 from lmforge.model.roles import param_role
-from lmforge.monitor import ConsoleMonitor, JsonlMonitor, Monitors
-from lmforge.monitor.console import format_line
-from lmforge.optim import build_optimizer, clip_gradients, group_grad_squares, set_lr_multiplier, wsd_multiplier
+from lmforge.monitor import Monitors
+from lmforge.optim import Optimizers, OptimizerStep, build_optimizer
+from lmforge.parallel import DistContext
+from lmforge.runtime.checkpoint import MODEL_FILES, load_checkpoint
+from lmforge.runtime.hf_folder import write_model_files
+from lmforge.runtime.model_setup import build_run_model
 from lmforge.train.balance import MoEBalancer
-from lmforge.train.checkpoint import (
-    CHECKPOINTS,
-    MODEL_FILES,
-    Checkpointer,
-    load_checkpoint,
-)
+from lmforge.train.callbacks import Callback, SpikeFlags, Validation
+from lmforge.train.checkpointing import Checkpointing, EvalSnapshots
 from lmforge.train.flops import FlopCounter, attended_pairs, param_counts, peak_flops
-from lmforge.train.health import SpikeDetector
-from lmforge.train.hooks import StepHook
 from lmforge.train.logs import close_logger, rank_logger
 from lmforge.train.metrics import peak_memory_gib, perplexity, reduce_step_stats
-from lmforge.train.micro_batches import rerun_without_nonfinite, run_micro_batches
-from lmforge.train.parallel import DistContext, parallelize
+from lmforge.train.micro_batches import MicroBatchStats, rerun_without_nonfinite, run_micro_batches
 from lmforge.train.preemption import StopRequest
-from lmforge.train.setup import model_vocab_size
+from lmforge.train.reporting import Reporting, build_monitors
 
 
 class Trainer:
-    """Owns the model, optimizer, data stream and monitors of one rank."""
+    """One rank's share of a run: its parts, its callbacks, and the step loop."""
+
+    config: TrainConfig
+    """The resolved config."""
+    ctx: DistContext
+    """Rank, world size, device and mesh of this process."""
+    run_dir: Path
+    """`config.output_dir`."""
+    tokenizer: TokenizerInfo | None
+    """The run's tokenizer (None only for fake data without one)."""
+    model: CausalLM
+    """The model, sharded or moved for this rank."""
+    optimizer: Optimizers
+    """Every optimizer with the schedule and clipping."""
+    data: Prefetcher
+    """This rank's micro-batches, prepared ahead."""
+    data_summary: DataSummary
+    """The data's startup figures (step 0 metrics and a console line)."""
+    params: dict[str, float]
+    """`params/*`: parameter counts, logged at step 0."""
+    flops: FlopCounter
+    """Training FLOPs of a step, for MFU."""
+    peak_flops: float | None
+    """Peak FLOP/s of the device (None on CPU: no MFU)."""
+    monitors: Monitors
+    """Where logged metrics go (rank 0; empty elsewhere)."""
+    log: logging.Logger
+    """This rank's log file."""
+    callbacks: list[Callback]
+    """Optional features, called in this order (see `lmforge.train.callbacks`)."""
+    step: int
+    """Optimizer steps taken (including those before a resume)."""
+    tokens_seen: int
+    """Tokens trained on over all ranks (including before a resume)."""
+    stop_agreed: bool
+    """Whether some rank asked to stop at the last step (known to every rank through the step's reduction)."""
+    stopped_by: str | None
+    """What ended the loop early (a signal name), None otherwise."""
 
     def __init__(
         self,
         config: TrainConfig,
         ctx: DistContext,
-        hooks: Sequence[StepHook] = (),
+        callbacks: Sequence[Callback] = (),
         console: bool = True,
         resume_from: Path | None = None,
     ) -> None:
-        """Build everything of this rank; `resume_from` is a checkpoint folder (see `prepare_output_dir`)."""
-        self.config = config
-        self.ctx = ctx
-        self.hooks = list(hooks)
-        self.step = 0
-        self.tokens_seen = 0
-        self.schedule_start = 0
-        self.stopped_by: str | None = None
-        self.stop_agreed = False
+        """Build every part of this rank; `callbacks` run after the configured ones (before reporting).
+        `resume_from` is a checkpoint folder (see `lmforge.runtime.run_dir.prepare_run`)."""
+        self.config, self.ctx = config, ctx
         self.run_dir = Path(config.output_dir)
+        self.step = self.tokens_seen = 0
+        self.stop_agreed, self.stopped_by = False, None
         self.tokenizer = load_tokenizer(config.tokenizer.name) if config.tokenizer.name else None
         source = build_step_data(config.data, ctx.rank, ctx.world_size, self.tokenizer)
-        vocab = model_vocab_size(config, self.tokenizer)
+        self.model = build_run_model(config, self.tokenizer, ctx)
         arch = config.model.arch
         assert arch is not None, "model.arch is filled in from model.name when the config is loaded"
-        model = build_model(arch, vocab, config.model.attn, ctx.device, meta=True)
-        model.loss_chunk_tokens = config.model.loss_chunk_tokens
-        self.model = parallelize(model, model.blocks, config.model, ctx)
         init = config.model.init
         scale = role_scales(arch, init.scheme, init.base_hidden_size, init.base_num_layers)
         if resume_from is None:
-            if config.model.name is None or config.model.debug.random_init:
-                stds = {n: scale(param_role(n, p.ndim)).init_std for n, p in self.model.named_parameters()}
-                init_weights(self.model, init.std, init.seed, init.truncate, stds)
-            else:
-                from lmforge.model.hf_weights import load_hf_weights
-
-                load_hf_weights(self.model, Path(config.model.name))
-        self.balancer: MoEBalancer | None = None
-        if self.model.moe_layers():
-            coeff = getattr(arch, "load_balance_coeff", None)
-            self.balancer = MoEBalancer(self.model, config.model.moe_balance, coeff, config.max_steps)
-        self.optimizer = build_optimizer(self.model, config.optim, ctx.device, scale)
-        state: dict[str, Any] = {}
-        if resume_from is not None:
-            skip = config.resume
-            state = load_checkpoint(resume_from, self.model, None if skip.skip_optimizer else self.optimizer, ctx.rank)
-            self.step = self.schedule_start = int(state["step"])
-            self.tokens_seen = int(state["tokens_seen"])
-            if not skip.skip_scheduler:
-                self.schedule_start = int(state["schedule_start"])
-            if skip.skip_data:
-                state.pop("data")
-        if isinstance(source, TokenData):
-            source.check_budget(config.max_steps - (self.step if "data" not in state else 0))
-        self.data = Prefetcher(source, pin_memory=ctx.device.type == "cuda")
-        if "data" in state:
-            self.data.load_state_dict(state["data"])
-        self.data_stats: dict[str, float] = {}
-        if isinstance(source, SFTData):
-            source.check_budget(config.max_steps, self.step)
-            stats = source.samples.stats
-            self.data_stats = {"data/samples": float(len(source.samples)), "data/overlong": float(stats.overlong),
-                               "data/no_loss_skipped": float(stats.no_loss)}  # fmt: skip
-            self.data_line = f"data: {describe(stats, len(source.samples))}"
+            self._initialize_weights(scale)
+        balancer = self._moe_balancer()
+        self.optimizer = build_optimizer(self.model, config.optim, ctx.device, scale, config.schedule, config.max_steps)
+        state = self._resume(resume_from) if resume_from is not None else {}
+        self.data = open_stream(source, config.max_steps, self.step, state.get("data"), ctx.device.type == "cuda")
+        self.data_summary = summarize(source)
         if ctx.is_main:
-            from lmforge.hf_folder import write_model_files
-
+            vocab = self.model.vocab_size
             write_model_files(self.run_dir / MODEL_FILES, arch, vocab, self.tokenizer, init_std=config.model.init.std)
-        self.checkpointer = Checkpointer(
-            self.run_dir,
-            config.ckpt,
-            ctx,
-            {"config.toml": self.run_dir / "config.toml", MODEL_FILES: self.run_dir / MODEL_FILES},
-        )
-        self.snapshots: Checkpointer | None = None
-        if config.eval_snapshots.interval is not None:
-            # Written in the background on a gloo group of their own, like async checkpoints.
-            snapshot_cfg = CkptConfig(async_save=True)
-            self.snapshots = Checkpointer(self.run_dir, snapshot_cfg, ctx, {}, model_only=True)
+        self.callbacks = self._configured_callbacks(balancer)
         self.flops = FlopCounter(self.model, arch.num_hidden_layers, arch.num_attention_heads, arch.dim_per_head)
         self.peak_flops = peak_flops(ctx.device)
         self.params = param_counts(self.model)
-        log = config.log
-        self.loss_spikes = SpikeDetector(log.loss_spike_factor, log.spike_window)
-        self.grad_spikes = SpikeDetector(log.grad_spike_factor, log.spike_window)
         self.log = rank_logger(self.run_dir, ctx.rank)
         self.log.info(
             "rank %d of %d on %s: %s, %s parameters, attention %s, %s",
             ctx.rank, ctx.world_size, ctx.device, arch.model_type, f"{self.params['params/total']:,.0f}",
-            model.attn_backend, f"resumed from {resume_from}" if resume_from else "from scratch",
+            self.model.attn_backend, f"resumed from {resume_from}" if resume_from else "from scratch",
         )  # fmt: skip
         if config.val.sets or config.val.data:
-            from lmforge.train.validation import Validator
+            validator = Validator(config.val, config.data, self.tokenizer, ctx.rank, ctx.world_size)
+            self.callbacks.append(Validation(validator))
+        self.callbacks += [*callbacks, Reporting(config)]
+        saved = state.get("callbacks", {})
+        for cb in self.callbacks:
+            if cb.name in saved:
+                cb.load_state_dict(saved[cb.name])
+        self.monitors = build_monitors(config, ctx.is_main, console, self.step)
 
-            self.hooks.append(Validator(config.val, config.data, self.tokenizer, ctx.rank, ctx.world_size))
-        self.monitors = Monitors([])
-        self.console: ConsoleMonitor | None = None
-        if ctx.is_main:
-            self.monitors.monitors.append(JsonlMonitor(Path(config.output_dir) / "metrics.jsonl"))
-            if config.wandb.enabled:
-                from lmforge.monitor.wandb import WandbMonitor
+    def _initialize_weights(self, scale: Any) -> None:
+        config = self.config
+        if config.model.name is None or config.model.debug.random_init:
+            init = config.model.init
+            stds = {n: scale(param_role(n, p.ndim)).init_std for n, p in self.model.named_parameters()}
+            init_weights(self.model, init.std, init.seed, init.truncate, stds)
+        else:
+            from lmforge.model.hf_weights import load_hf_weights
 
-                config_json = config.model_dump(mode="json", by_alias=True)
-                self.monitors.monitors.append(WandbMonitor(config.wandb, self.run_dir, config_json, self.step))
-            if console:
-                self.console = ConsoleMonitor(config.max_steps, self.step)
-                self.monitors.monitors.append(self.console)
+            load_hf_weights(self.model, Path(config.model.name))
+
+    def _moe_balancer(self) -> MoEBalancer | None:
+        if not self.model.moe_layers():
+            return None
+        coeff = getattr(self.model.arch, "load_balance_coeff", None)
+        return MoEBalancer(self.model, self.config.model.moe_balance, coeff, self.config.max_steps)
+
+    def _resume(self, checkpoint: Path) -> dict[str, Any]:
+        """Load the checkpoint into the model and optimizers; returns the trainer state (without `data` when the
+        run restarts its data stream)."""
+        skip = self.config.resume
+        optimizer = None if skip.skip_optimizer else self.optimizer
+        state = load_checkpoint(checkpoint, self.model, optimizer, self.ctx.rank)
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        # A skipped schedule state starts a new warmup and decay over the remaining steps.
+        self.optimizer.load_schedule_state(state if not skip.skip_scheduler else {"schedule_start": self.step})
+        if skip.skip_data:
+            state.pop("data")
+        return state
+
+    def _configured_callbacks(self, balancer: MoEBalancer | None) -> list[Callback]:
+        config, ctx = self.config, self.ctx
+        callbacks: list[Callback] = [] if balancer is None else [balancer]
+        # Spike flags come before the checkpoint, so that a checkpoint's spike history includes its own step.
+        callbacks.append(SpikeFlags(config.log))
+        callbacks.append(Checkpointing(self.run_dir, config.ckpt, ctx, config.max_steps))
+        if config.eval_snapshots.interval is not None:
+            callbacks.append(EvalSnapshots(self.run_dir, config.eval_snapshots.interval, ctx, config.max_steps))
+        return callbacks
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps besides the weights and optimizer state: counters, schedule, data position and
+        the callbacks' state."""
+        callbacks = {cb.name: st for cb in self.callbacks if cb.name and (st := cb.state_dict())}
+        return {"step": self.step, "tokens_seen": self.tokens_seen, **self.optimizer.schedule_state(),
+                "data": self.data.state_dict(), **({"callbacks": callbacks} if callbacks else {})}  # fmt: skip
 
     def train_step(self, micro_batches: list[MicroBatch], data_wait: float, stop: bool = False) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches; returns the step's global metrics. `stop` is this
         rank's stop request; `self.stop_agreed` says afterwards whether any rank made one."""
         device, defer = self.ctx.device, self.config.model.defer_grad_sync
-        if self.balancer is not None:
-            self.balancer.start_step(micro_batches)
+        for cb in self.callbacks:
+            cb.on_step_start(self, micro_batches)
         stats = run_micro_batches(self.model, micro_batches, device, defer)
-        wait = torch.tensor(data_wait, device=device)
-        squares = group_grad_squares(self.optimizer, device)
-        sums, maxes = reduce_step_stats(
-            {
-                "loss_sum": stats.loss_sum,
-                "loss_tokens": stats.loss_tokens,
-                "tokens": stats.tokens,
-                "nan_count": stats.nan_count,
-                "data_wait": wait,
-                "pairs": torch.tensor(float(attended_pairs(mb["seq_lens"] for mb in micro_batches)), device=device),
-                "peak_memory": torch.tensor(peak_memory_gib(device), device=device),
-                **{f"grad_sq/{name}": sq for name, sq in squares.items()},
-                **(self.balancer.device_stats() if self.balancer is not None else {}),
-            },
-            {
-                "data_wait": wait,
-                "peak_memory": torch.tensor(peak_memory_gib(device), device=device),
-                "stop": torch.tensor(float(stop), device=device),
-            },
-        )
+        sums, maxes = self._reduce(stats, micro_batches, data_wait, stop)
         self.stop_agreed = maxes["stop"] > 0
-        routing: dict[str, float] = {}
-        if self.balancer is not None:
-            moe = {k: sums.pop(k) for k in ("moe/counts", "moe/confidence", "moe/seq_aux")}
-            routing = self.balancer.update(self.step + 1, moe["moe/counts"], moe["moe/confidence"], moe["moe/seq_aux"])
+        from_callbacks: dict[str, float] = {}
+        for cb in self.callbacks:
+            from_callbacks.update(cb.on_step_reduced(self, sums))
         if sums["nan_count"] > 0:
             # Rare: redo the step without the bad micro-batches (on every rank, so FSDP collectives match).
             rerun_without_nonfinite(self.model, micro_batches, stats.finite.tolist(), device, defer)
-            again, _ = reduce_step_stats(
-                {f"grad_sq/{name}": sq for name, sq in group_grad_squares(self.optimizer, device).items()}, {}
-            )
+            squares = self.optimizer.grad_squares(device)
+            again, _ = reduce_step_stats({f"grad_sq/{k}": v for k, v in squares.items()}, {})
             sums.update(again)
-        group_sq = {name: sums[f"grad_sq/{name}"] for name in squares}
-        grad_norm = math.sqrt(sum(group_sq.values()))
-        clip_gradients(self.optimizer, grad_norm, self.config.optim.max_norm)
-        multiplier = wsd_multiplier(
-            self.step + 1 - self.schedule_start, self.config.max_steps - self.schedule_start, self.config.schedule
-        )
-        set_lr_multiplier(self.optimizer, multiplier)
-        skipped = not math.isfinite(grad_norm) or sums["loss_tokens"] == 0
-        if not skipped:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        group_sq = {g["name"]: sums[f"grad_sq/{g['name']}"] for g in self.optimizer.param_groups}
+        update = self.optimizer.update(self.step + 1, group_sq, sums["loss_tokens"] > 0)
         self.step += 1
         self.tokens_seen += int(sums["tokens"])
+        return {**self._step_metrics(sums, maxes, update), **from_callbacks, **self._group_metrics(update)}
+
+    def _reduce(self, stats: MicroBatchStats, micro_batches: list[MicroBatch], data_wait: float,
+                stop: bool) -> tuple[dict[str, Any], dict[str, float]]:  # fmt: skip
+        """The step's one SUM and one MAX all-reduce over everything the metrics and callbacks need."""
+        device = self.ctx.device
+        wait = torch.tensor(data_wait, device=device)
+        pairs = float(attended_pairs(mb["seq_lens"] for mb in micro_batches))
+        sums: dict[str, torch.Tensor] = {
+            "loss_sum": stats.loss_sum,
+            "loss_tokens": stats.loss_tokens,
+            "tokens": stats.tokens,
+            "nan_count": stats.nan_count,
+            "data_wait": wait,
+            "pairs": torch.tensor(pairs, device=device),
+            "peak_memory": torch.tensor(peak_memory_gib(device), device=device),
+            **{f"grad_sq/{name}": sq for name, sq in self.optimizer.grad_squares(device).items()},
+        }
+        for cb in self.callbacks:
+            sums.update(cb.step_sums(self))
+        maxes = {
+            "data_wait": wait,
+            "peak_memory": torch.tensor(peak_memory_gib(device), device=device),
+            "stop": torch.tensor(float(stop), device=device),
+        }
+        return reduce_step_stats(sums, maxes)
+
+    def _step_metrics(self, sums: dict[str, Any], maxes: dict[str, float], update: OptimizerStep) -> dict[str, float]:
         loss = sums["loss_sum"] / sums["loss_tokens"] if sums["loss_tokens"] else math.nan
-        metrics = {
+        world = self.ctx.world_size
+        return {
             "loss/mean": loss,
             "loss/perplexity": perplexity(loss) if math.isfinite(loss) else math.nan,
             "loss/nan_count": sums["nan_count"],
             "loss/tokens": sums["loss_tokens"],
-            "loss/spike": float(self.loss_spikes.update(loss)),
-            "optim/lr": self.config.optim.lr * multiplier,
-            "optim/grad_norm": grad_norm,
-            "optim/grad_norm_spike": float(self.grad_spikes.update(grad_norm)),
-            "optim/skipped": float(skipped),
+            "optim/lr": self.config.optim.lr * update.lr_multiplier,
+            "optim/grad_norm": update.grad_norm,
+            "optim/skipped": float(update.skipped),
             "time/data/max": maxes["data_wait"],
-            "time/data/mean": sums["data_wait"] / self.ctx.world_size,
+            "time/data/mean": sums["data_wait"] / world,
             "progress/num_tokens": float(self.tokens_seen),
             "progress/epoch": self.data.epoch,
             "perf/peak_memory": maxes["peak_memory"],
-            "perf/peak_memory_mean": sums["peak_memory"] / self.ctx.world_size,
+            "perf/peak_memory_mean": sums["peak_memory"] / world,
             "batch/tokens": sums["tokens"],
             "batch/pairs": sums["pairs"],
-            **routing,
         }
+
+    def _group_metrics(self, update: OptimizerStep) -> dict[str, float]:
+        metrics = {}
         for group in self.optimizer.param_groups:
-            metrics[f"optim/grad_norm/{group['name']}"] = math.sqrt(group_sq[group["name"]])
+            metrics[f"optim/grad_norm/{group['name']}"] = update.group_norms[group["name"]]
             metrics[f"optim/lr/{group['name']}"] = group["lr"]
         return metrics
 
-    def save_checkpoint(self) -> float:
-        """Checkpoint the current step (every rank); returns the seconds the step loop was blocked."""
-        state = {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "schedule_start": self.schedule_start,
-            "data": self.data.state_dict(),
-        }
-        return self.checkpointer.save(self.step, self.model, self.optimizer, state)
-
-    def _checkpoint_due(self) -> bool:
-        ckpt, step = self.config.ckpt, self.step
-        if step == self.config.max_steps and ckpt.final:
-            return True
-        return ckpt.interval is not None and step % ckpt.interval == 0
-
     def train(self) -> None:
-        """Run steps until max_steps (or a stop signal), then the end-of-training hooks."""
+        """Run steps until max_steps (or a stop signal), then the callbacks' end of training."""
         cfg = self.config
         stop = StopRequest()
         stop.install()
-        if self.step == 0:
-            self.monitors.log(0, {**self.params, **self.data_stats})
-        if self.data_stats:
-            self.log.info(self.data_line)
-            if self.console is not None:
-                self.console.console.print(self.data_line, highlight=False, soft_wrap=True)
-        last = time.perf_counter()
         try:
+            for cb in self.callbacks:
+                cb.on_train_start(self)
+            last = time.perf_counter()
             while self.step < cfg.max_steps:
                 t0 = time.perf_counter()
                 micro_batches = self.data.next_step()
                 metrics = self.train_step(micro_batches, time.perf_counter() - t0, stop.requested)
-                now = time.perf_counter()
-                metrics["time/step"] = now - last
+                metrics["time/step"] = time.perf_counter() - last
                 self._add_throughput(metrics)
-                saved = self._checkpoint_due() or self.stop_agreed
-                if saved:
-                    metrics["time/save_ckpt"] = self.save_checkpoint()
-                    self.log.info("checkpoint of step %d (loop blocked %.3f s)", self.step, metrics["time/save_ckpt"])
-                else:
-                    self.checkpointer.poll()
-                if self.snapshots is not None:
-                    every = cfg.eval_snapshots.interval
-                    if self.step % every == 0 or self.step == cfg.max_steps:  # type: ignore[operator]
-                        metrics["time/save_snapshot"] = self.snapshots.save(self.step, self.model, None, {})
-                    else:
-                        self.snapshots.poll()
-                for hook in self.hooks:
-                    if hasattr(hook, "after_optimizer_step"):
-                        hook.after_optimizer_step(self, self.step, metrics)
-                if self.console is not None:
-                    self.console.update(self.step, metrics)
-                validated = "time/val" in metrics
-                if validated or saved or self.step % cfg.log.interval == 0 or self.step in (1, cfg.max_steps):
-                    self.monitors.log(self.step, metrics)
-                    self.log.info(format_line(self.step, cfg.max_steps, metrics))
+                for cb in self.callbacks:
+                    cb.after_optimizer_step(self, metrics)
                 last = time.perf_counter()  # a checkpoint's time is time/save_ckpt, not the next step's time/step
                 if self.stop_agreed:
                     self.stopped_by = stop.signal_name or "a stop signal on another rank"
                     break
-            self.checkpointer.close()
-            if self.snapshots is not None:
-                self.snapshots.close()
-            if self.stopped_by is not None:
-                self._announce_stop()
-                return
-            for hook in self.hooks:
-                if hasattr(hook, "on_train_end"):
-                    hook.on_train_end(self)
+            for cb in self.callbacks:
+                cb.on_train_end(self)
         except BaseException:
             self.log.exception("training stopped by an exception at step %d", self.step)
             raise
@@ -320,21 +300,10 @@ class Trainer:
             metrics["perf/mfu"] = flops / (seconds * self.peak_flops * ws)
             metrics["perf/mfu_6nd"] = dense / (seconds * self.peak_flops * ws)
 
-    def _announce_stop(self) -> None:
-        self.log.info("stopped after step %d (%s)", self.step, self.stopped_by)
-        if self.ctx.is_main:
-            where = self.run_dir / CHECKPOINTS
-            message = (
-                f"lmforge: stopped after step {self.step} ({self.stopped_by}); checkpoint {where}/step_{self.step}. "
-                f"Continue with the same command plus --resume.step latest"
-            )
-            if self.console is not None:
-                self.console.console.print(message, highlight=False)
-            else:
-                print(message, flush=True)
-
     def close(self) -> None:
-        """Stop the data worker, close the monitors and the log file."""
+        """Stop the data worker, close the callbacks, the monitors and the log file."""
         self.data.close()
+        for cb in self.callbacks:
+            cb.close()
         self.monitors.close()
         close_logger(self.log)

@@ -1,8 +1,7 @@
-"""`lmforge plot`: training curves of one or more runs, overlaid, as a static image."""
+"""Training curves of one or more runs, overlaid, as a static image (`lmforge plot`)."""
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,13 +9,11 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from lmforge.viz.runs import CommandParser, Run, RunError, UsageError, ema, fail, load_run, select_metrics
+from lmforge.viz.runs import Run, ema, load_run, select_metrics
 
 DEFAULT_METRICS = ("loss/mean",)
 DEFAULT_SMOOTHING = 0.9
 FORMATS = ("png", "svg", "pdf")
-
-USAGE_PLOT = """lmforge plot RUN_DIR [RUN_DIR ...] [--metric PATTERN ...] -o curves.png [--smoothing 0.9]"""
 
 
 class PlotError(ValueError):
@@ -94,44 +91,3 @@ def plot_runs(
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, format=fmt, dpi=110)
     return names
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = CommandParser(
-        prog="lmforge plot",
-        usage=USAGE_PLOT,
-        description="Overlay the training curves of runs (their metrics.jsonl) in one image, one subplot per metric.",
-    )
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's output_dir")
-    parser.add_argument(
-        "--metric",
-        "-m",
-        action="append",
-        metavar="PATTERN",
-        help="metric name or glob, e.g. 'optim/grad_norm/*' or 'val/*/bpb@*'; repeatable (default: loss/mean)",
-    )
-    parser.add_argument("-o", "--output", type=Path, required=True, help="image to write (.png, .svg or .pdf)")
-    parser.add_argument(
-        "--smoothing",
-        type=float,
-        default=DEFAULT_SMOOTHING,
-        help=f"EMA weight in [0, 1) of the solid lines; 0 draws the raw values only (default {DEFAULT_SMOOTHING})",
-    )
-    return parser
-
-
-def plot_main(argv: Sequence[str]) -> int:
-    """`lmforge plot`; returns the exit code (2 with a one-line message for bad input)."""
-    try:
-        args = _parser().parse_args(list(argv))
-    except UsageError as e:
-        return fail("plot", str(e))
-    except SystemExit as e:  # --help
-        return e.code if isinstance(e.code, int) else 0
-    try:
-        names = plot_runs(args.run_dirs, args.metric or list(DEFAULT_METRICS), args.output, args.smoothing)
-    except (RunError, PlotError) as e:
-        return fail("plot", str(e))
-    n_runs = len(args.run_dirs)
-    print(f"wrote {args.output}: {len(names)} metric(s) of {n_runs} run(s)")
-    return 0

@@ -1,4 +1,4 @@
-"""`lmforge report`: one self-contained HTML page about a run: interactive curves, a summary and its config."""
+"""One self-contained HTML page about a run: interactive curves, a summary and its config (`lmforge report`)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,11 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
-from lmforge.viz.runs import CommandParser, Run, RunError, UsageError, ema, fail, load_run, select_metrics
+from lmforge.viz.runs import Run, ema, load_run, select_metrics
 
 DEFAULT_SMOOTHING = 0.9
 CHART_HEIGHT = 420  # pixels, legend included
 MAX_COLUMNS = 2  # charts side by side in a panel
-
-USAGE_REPORT = "lmforge report RUN_DIR -o report.html [--smoothing 0.9]"
 
 
 @dataclass(frozen=True)
@@ -271,34 +269,3 @@ def write_report(run_dir: str | Path, output: Path, smoothing: float = DEFAULT_S
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(page, encoding="utf-8")
     return output
-
-
-def report_main(argv: Sequence[str]) -> int:
-    """`lmforge report`; returns the exit code (2 with a one-line message for bad input)."""
-    parser = CommandParser(
-        prog="lmforge report",
-        usage=USAGE_REPORT,
-        description="Write one self-contained HTML page about a run: its curves, a summary and its config.",
-    )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run's output_dir")
-    parser.add_argument("-o", "--output", type=Path, required=True, help="HTML file to write")
-    parser.add_argument(
-        "--smoothing",
-        type=float,
-        default=DEFAULT_SMOOTHING,
-        help=f"EMA weight in [0, 1) of the smoothed loss line (default {DEFAULT_SMOOTHING})",
-    )
-    try:
-        args = parser.parse_args(list(argv))
-    except UsageError as e:
-        return fail("report", str(e))
-    except SystemExit as e:  # --help
-        return e.code if isinstance(e.code, int) else 0
-    if not 0.0 <= args.smoothing < 1.0:
-        return fail("report", f"--smoothing must be in [0, 1), got {args.smoothing}")
-    try:
-        write_report(args.run_dir, args.output, args.smoothing)
-    except RunError as e:
-        return fail("report", str(e))
-    print(f"wrote {args.output}")
-    return 0

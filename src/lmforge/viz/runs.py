@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import json
 import math
-import sys
 import tomllib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 
 class RunError(ValueError):
@@ -143,22 +141,3 @@ def ema(values: Sequence[float], weight: float = 0.9) -> list[float]:
         correction *= weight
         out.append(running / (1.0 - correction))
     return out
-
-
-class UsageError(Exception):
-    """A command line that `CommandParser` rejects."""
-
-
-class CommandParser(argparse.ArgumentParser):
-    """An argument parser that raises `UsageError` where argparse would print its usage and exit, so that a command
-    can report one line and return its exit code."""
-
-    def error(self, message: str) -> NoReturn:
-        """Raise `UsageError(message)`."""
-        raise UsageError(message)
-
-
-def fail(command: str, message: str) -> int:
-    """Print a one-line error for `lmforge <command>` on stderr; returns the exit code for bad input, 2."""
-    print(f"lmforge {command}: error: {message}", file=sys.stderr)
-    return 2

@@ -1,0 +1,72 @@
+"""The process group and device mesh of a run: one code path for every world size.
+
+A plain `lmforge train` is a process group of one; `torchrun` gives many. CPU runs use gloo; CUDA runs use NCCL
+(with gloo for CPU tensors).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass
+class DistContext:
+    """Where this process sits in the run."""
+
+    rank: int
+    """Global rank."""
+    world_size: int
+    """Number of processes."""
+    local_rank: int
+    """Rank on this node (selects the GPU)."""
+    device: torch.device
+    """The compute device of this rank."""
+    mesh: DeviceMesh
+    """1-D mesh over all ranks (data parallel / FSDP)."""
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes the run directory and the console."""
+        return self.rank == 0
+
+
+def env_world_size() -> int:
+    """The world size torchrun announces, 1 for a plain process (usable before the process group exists)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(timeout_minutes: float = 30.0) -> DistContext:
+    """Start (or join) the process group from torchrun's environment, or as a group of one."""
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if not dist.is_initialized():
+        if "RANK" in os.environ:
+            dist.init_process_group(backend=backend, timeout=timeout, device_id=device if use_cuda else None)
+        else:
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    return DistContext(dist.get_rank(), world, local_rank, device, mesh)
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group. The barrier first: gloo can abort at exit when a peer is still tearing down."""
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()

@@ -1,0 +1,52 @@
+"""The run's model, built the same way for training and for the eval worker: its vocabulary size from the
+tokenizer (or a pretrained folder), then built on the meta device and sharded for this rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lmforge.config.loader import ConfigError
+from lmforge.config.train import TrainConfig
+from lmforge.data import TokenizerInfo
+from lmforge.model import build_model
+from lmforge.model.llama import CausalLM
+from lmforge.parallel import DistContext, parallelize
+
+VOCAB_MULTIPLE = 128
+
+
+def padded_vocab_size(n: int) -> int:
+    """The model's vocabulary: n token ids rounded up to a multiple of 128 (faster matmuls, shardable)."""
+    return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def model_vocab_size(config: TrainConfig, tokenizer: TokenizerInfo | None) -> int:
+    """The model's vocabulary: a pretrained model's own, else the tokenizer's length (or fake data's id range)
+    rounded up to 128."""
+    if config.model.name is not None:
+        from lmforge.model.hf_config import read_hf_config
+
+        vocab = read_hf_config(Path(config.model.name)).vocab_size
+        ids = tokenizer.size if tokenizer is not None else getattr(config.data, "vocab_size", 0)
+        if ids > vocab:
+            raise ConfigError(f"model.name {config.model.name} has {vocab} embeddings, fewer than the {ids} token ids")
+        return vocab
+    if tokenizer is not None:
+        if config.data.type == "fake" and config.data.vocab_size > tokenizer.size:
+            raise ConfigError(
+                f"data.vocab_size ({config.data.vocab_size}) exceeds the tokenizer's {tokenizer.size} ids"
+            )
+        return padded_vocab_size(tokenizer.size)
+    assert config.data.type == "fake", "token data requires a tokenizer (checked with the config)"
+    return padded_vocab_size(config.data.vocab_size)
+
+
+def build_run_model(config: TrainConfig, tokenizer: TokenizerInfo | None, ctx: DistContext) -> CausalLM:
+    """The configured model, checkpointed, compiled and sharded (or moved) for this rank as `model` asks, with
+    uninitialized storage: the caller fills the weights (init, checkpoint or HF folder)."""
+    arch = config.model.arch
+    assert arch is not None, "model.arch is filled in from model.name when the config is loaded"
+    model = build_model(arch, model_vocab_size(config, tokenizer), config.model.attn, ctx.device, meta=True)
+    model.loss_chunk_tokens = config.model.loss_chunk_tokens
+    parallelize(model, model.blocks, config.model, ctx)  # in place: the sharded model is the same object
+    return model

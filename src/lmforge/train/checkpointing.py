@@ -1,0 +1,69 @@
+"""When the run saves: checkpoints (`[ckpt]`, and on a stop request) and the eval worker's model-only snapshots
+(`[eval_snapshots]`). How a save is written and committed is `lmforge.runtime.checkpoint`'s job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lmforge.config.ckpt import CkptConfig
+from lmforge.parallel import DistContext
+from lmforge.runtime.checkpoint import MODEL_FILES, Checkpointer
+from lmforge.train.callbacks import Callback
+
+if TYPE_CHECKING:
+    from lmforge.train.trainer import Trainer
+
+
+class Checkpointing(Callback):
+    """Checkpoints every `ckpt.interval` steps, at the last step (`ckpt.final`), and after the step at which the
+    ranks agreed to stop. On other steps it commits a finished background save. Logs `time/save_ckpt`."""
+
+    def __init__(self, run_dir: Path, cfg: CkptConfig, ctx: DistContext, max_steps: int) -> None:
+        """Rank 0 copies the run's config.toml and model/ folder into every checkpoint, so each exports alone."""
+        extra = {"config.toml": run_dir / "config.toml", MODEL_FILES: run_dir / MODEL_FILES}
+        self.checkpointer = Checkpointer(run_dir, cfg, ctx, extra)
+        self.cfg = cfg
+        self.max_steps = max_steps
+
+    def due(self, step: int) -> bool:
+        """Whether the schedule asks for a checkpoint after `step` (a stop request is checked separately)."""
+        if step == self.max_steps and self.cfg.final:
+            return True
+        return self.cfg.interval is not None and step % self.cfg.interval == 0
+
+    def after_optimizer_step(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """Save when due or stopping (the blocked time goes to `time/save_ckpt`), else commit a finished save."""
+        if self.due(trainer.step) or trainer.stop_agreed:
+            metrics["time/save_ckpt"] = self.checkpointer.save(
+                trainer.step, trainer.model, trainer.optimizer, trainer.state_dict()
+            )
+            trainer.log.info("checkpoint of step %d (loop blocked %.3f s)", trainer.step, metrics["time/save_ckpt"])
+        else:
+            self.checkpointer.poll()
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        """Finish a background save, so no process exits with its shards half-written."""
+        self.checkpointer.close()
+
+
+class EvalSnapshots(Callback):
+    """Model-only snapshots for `lmforge eval` every `eval_snapshots.interval` steps and at the last step, written
+    in the background on a gloo group of their own. Logs `time/save_snapshot` (the time the loop was blocked)."""
+
+    def __init__(self, run_dir: Path, interval: int, ctx: DistContext, max_steps: int) -> None:
+        """Snapshots go to `<run_dir>/snapshots/step_N/`."""
+        self.checkpointer = Checkpointer(run_dir, CkptConfig(async_save=True), ctx, {}, model_only=True)
+        self.interval = interval
+        self.max_steps = max_steps
+
+    def after_optimizer_step(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """Snapshot when due, else commit a finished one."""
+        if trainer.step % self.interval == 0 or trainer.step == self.max_steps:
+            metrics["time/save_snapshot"] = self.checkpointer.save(trainer.step, trainer.model, None, {})
+        else:
+            self.checkpointer.poll()
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        """Finish the last background write."""
+        self.checkpointer.close()
