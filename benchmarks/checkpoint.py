@@ -1,4 +1,4 @@
-"""Save and load cost of lmforge's sharded checkpoints (`lmforge.train.checkpoint`), on the CPU.
+"""Save and load cost of lmforge's sharded checkpoints (`lmforge.runtime.checkpoint`), on the CPU.
 
 The script builds a Llama (default: hidden 768, 12 layers, intermediate 2048, 12 heads, vocabulary 32,000, untied
 LM head: 134M parameters, printed exactly) in fp32 with lmforge's AdamW (one group per parameter role), in a
@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import shutil
 import sys
 import tempfile
@@ -48,19 +46,19 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.table import Table
 from torch import nn
 
-from cpu_load import cpu_busy_s, own_cpu_s, wait_until_quiet
+import common
+from cpu_load import ForeignLoad, settle
 from lmforge.config.ckpt import CkptConfig
 from lmforge.config.model import ModelConfig
 from lmforge.config.optim import AdamWConfig
-from lmforge.model import LlamaArch, build_model
+from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from lmforge.optim import build_optimizer
-from lmforge.train.checkpoint import CHECKPOINTS, Checkpointer, list_checkpoints, load_checkpoint, step_name
-from lmforge.train.parallel import DistContext, init_distributed, parallelize, shutdown_distributed
-from lmforge.train.setup import padded_vocab_size
+from lmforge.parallel import DistContext, init_distributed, parallelize, shutdown_distributed
+from lmforge.runtime.checkpoint import CHECKPOINTS, Checkpointer, list_checkpoints, load_checkpoint, step_name
+from lmforge.runtime.model_setup import padded_vocab_size
 
 MODES = ("sync", "async", "load")
 FOREIGN_LIMIT = 0.1
@@ -72,29 +70,23 @@ TRAINER_STATE = {"tokens_seen": 0, "schedule_start": 0}
 
 
 @dataclass(frozen=True)
-class Settings:
-    """The model and optimizer checkpointed."""
+class Settings(common.ModelSettings):
+    """The model and optimizer checkpointed; `init_seed` also seeds the random gradients of the one step."""
 
-    hidden_size: int = 768
-    intermediate_size: int = 2048
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
-    vocab_size: int = 32_000
-    init_std: float = 0.02
-    seed: int = 0
+    seq_len: int = 4096
+    """Only the model's position range: nothing is trained here (4096 is `LlamaArch`'s default)."""
     lr: float = 1e-3
-
-    def arch(self) -> LlamaArch:
-        """The Llama checkpointed."""
-        return LlamaArch(
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-        )
+    repeats: int = 3
+    """Measurements per mode; the best counts."""
+    threads: int = 2
 
 
-SMOKE = Settings(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, vocab_size=256)
+FULL = Settings(
+    hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12, vocab_size=32_000
+)
+"""The default: a 134M-parameter Llama with an untied LM head, the size of a small pretraining run."""
+
+SMOKE = common.tiny(Settings, vocab_size=256)
 """A model small enough that a test can run the whole script in seconds."""
 
 
@@ -103,10 +95,10 @@ SMOKE = Settings(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num
 
 def build(settings: Settings, ctx: DistContext, init: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Model and optimizer as the trainer builds them; `init=False` leaves the constructor's values (a resume)."""
-    arch = settings.arch()
+    arch = settings.llama_arch()
     model = build_model(arch, padded_vocab_size(settings.vocab_size), "sdpa", ctx.device)
     if init:
-        init_weights(model, settings.init_std, settings.seed)
+        init_weights(model, settings.init_std, settings.init_seed)
     model = parallelize(model, model.blocks, ModelConfig(arch=arch, attn="sdpa", param_dtype="float32"), ctx)
     return model, build_optimizer(model, AdamWConfig(lr=settings.lr), ctx.device)
 
@@ -150,11 +142,9 @@ def folder_bytes(path: Path) -> int:
 
 def measured(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Run `fn` and add to its figures the cores other processes kept busy meanwhile."""
-    busy0, own0, t0 = cpu_busy_s(), own_cpu_s(), time.perf_counter()
+    load, t0 = ForeignLoad(), time.perf_counter()
     result = fn()
-    elapsed = time.perf_counter() - t0
-    foreign = (cpu_busy_s() - busy0 - (own_cpu_s() - own0)) / elapsed
-    return {**result, "foreign_cores": max(foreign, 0.0)}
+    return {**result, "foreign_cores": load.cores(time.perf_counter() - t0)}
 
 
 def save_once(
@@ -258,18 +248,12 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
 def print_report(summary: dict[str, Any], console: Console) -> None:
     """The table (one row per mode) and the lines that qualify it."""
     s = Settings(**summary["settings"])
-    table = Table(
-        title=(
-            f"lmforge checkpoints: Llama d{s.hidden_size} x{s.num_hidden_layers}, ffn {s.intermediate_size}, "
-            f"{s.num_attention_heads} heads, vocab {s.vocab_size:,} ({summary['parameters']:,} parameters) + AdamW, "
-            f"fp32, 1 rank, {summary['threads']} threads, best of {summary['repeats']}"
-        )
+    title = (
+        f"lmforge checkpoints: Llama d{s.hidden_size} x{s.num_hidden_layers}, ffn {s.intermediate_size}, "
+        f"{s.num_attention_heads} heads, vocab {s.vocab_size:,} ({summary['parameters']:,} parameters) + AdamW, "
+        f"fp32, 1 rank, {summary['threads']} threads, best of {summary['repeats']}"
     )
-    table.add_column("mode")
-    table.add_column("blocked s", justify="right")
-    table.add_column("total s", justify="right")
-    table.add_column("bytes", justify="right")
-    table.add_column("MB/s", justify="right")
+    table = common.result_table(title, ("mode", "blocked s", "total s", "bytes", "MB/s"))
     for mode in MODES:
         b = summary["best"][mode]
         table.add_row(mode, f"{b['blocked_s']:.3f}", f"{b['total_s']:.3f}", f"{b['bytes']:,}", f"{b['mb_per_s']:,.0f}")
@@ -301,8 +285,9 @@ def print_report(summary: dict[str, Any], console: Console) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--repeats", type=int, default=None, help="measurements per mode; the best counts (default 3)")
+    presets = {"default": FULL, "smoke": SMOKE}
+    smoke = "tiny model and one repeat: checks the script runs"
+    p = common.benchmark_parser(__doc__, presets, smoke, quiet_wait="before each measurement", all_cores=True)
     p.add_argument(
         "--dir",
         type=Path,
@@ -310,36 +295,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="make the temporary checkpoint folder under this folder (its file system is measured);\n"
         "default: the system's temporary folder. The folder made is removed at the end.",
     )
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: all cores)")
-    p.add_argument(
-        "--quiet-wait",
-        type=float,
-        default=None,
-        help="before each measurement, wait up to this many seconds for other processes to leave the CPUs\n"
-        "(default 60; smoke 0: don't wait)",
-    )
-    p.add_argument("--smoke", action="store_true", help="tiny model and one repeat: checks the script runs")
-    p.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Build the model, measure each mode, print the table, optionally write the JSON."""
     args = parse_args(argv)
-    settings = SMOKE if args.smoke else Settings()
-    repeats = args.repeats if args.repeats is not None else (1 if args.smoke else 3)
-    quiet_wait = args.quiet_wait if args.quiet_wait is not None else (0.0 if args.smoke else 60.0)
-    if repeats < 1 or args.threads < 1:
+    settings = common.with_flags(SMOKE if args.smoke else FULL, args)
+    repeats = settings.repeats
+    quiet_wait = common.quiet_wait_s(args)
+    if repeats < 1 or settings.threads < 1:
         print("checkpoint.py: --repeats and --threads must be >= 1", file=sys.stderr)
         return 2
-    torch.set_num_threads(args.threads)
-    console = Console(width=None if sys.stdout.isatty() else 120)  # no wrapping in logs and pipes
+    torch.set_num_threads(settings.threads)
+    console = common.make_console()
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)
     ctx = init_distributed()
     try:
         model, optimizer = build(settings, ctx, init=True)
-        optimizer_step(model, optimizer, settings.seed)
+        optimizer_step(model, optimizer, settings.init_seed)
         parameters = sum(p.numel() for p in model.parameters())
         console.print(f"model: {parameters:,} parameters ({parameters * 4 / 2**20:,.1f} MiB fp32)", highlight=False)
         runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
@@ -348,8 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             step = sync_step = 0  # every save gets a step of its own; load reads the latest sync one
             for r in range(repeats):
                 for mode in MODES:
-                    if quiet_wait > 0:
-                        wait_until_quiet(quiet_wait)
+                    settle(quiet_wait)
                     if mode == "load":
                         path = base / "sync" / CHECKPOINTS / step_name(sync_step)
                         result = load_once(path, sync_step, settings, ctx, model, optimizer)
@@ -369,8 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                         highlight=False,
                     )
             shutil.rmtree(base / "async", ignore_errors=True)
-            if quiet_wait > 0:
-                wait_until_quiet(quiet_wait)
+            settle(quiet_wait)
             async_work = save_while_working(base / "work", step + 1, ctx, model, optimizer)
         summary = {
             "settings": asdict(settings),
@@ -386,9 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutdown_distributed()
     print_report(summary, console)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    common.write_json(args.json, summary)
     return 0
 
 

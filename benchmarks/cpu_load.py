@@ -36,3 +36,31 @@ def wait_until_quiet(limit_s: float, threshold: float = 0.25) -> float:
         busy = (cpu_busy_s() - b0) / (time.monotonic() - t0)
         if busy < threshold or time.monotonic() >= deadline:
             return busy
+
+
+def settle(limit_s: float) -> float | None:
+    """`wait_until_quiet(limit_s)` when `limit_s` > 0 (returns the busy cores it saw); None, at once, when it is 0.
+
+    Smoke runs pass 0: they check that a script runs, and a second of sampling per run would be most of their time.
+    """
+    return wait_until_quiet(limit_s) if limit_s > 0 else None
+
+
+class ForeignLoad:
+    """The CPU time other processes spend from `start()` on: the machine's busy time minus this process's own."""
+
+    def __init__(self) -> None:
+        """Start counting now."""
+        self.start()
+
+    def start(self) -> None:
+        """Count from now on."""
+        self._busy0, self._own0 = cpu_busy_s(), own_cpu_s()
+
+    def cpu_s(self) -> float:
+        """Foreign CPU seconds since `start()` (can come out slightly negative: the two clocks tick separately)."""
+        return cpu_busy_s() - self._busy0 - (own_cpu_s() - self._own0)
+
+    def cores(self, wall_s: float) -> float:
+        """Mean number of cores other processes kept busy over `wall_s` seconds since `start()`, at least 0."""
+        return max(self.cpu_s() / wall_s, 0.0)

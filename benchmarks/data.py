@@ -1,10 +1,13 @@
 """Throughput of lmforge's token-shard loader against a raw sequential memmap copy of the same bytes, on the CPU.
 
-The script writes its own pool of token shards in datatrove's layout (see DESIGN.md "Token shards"): `--folders`
-folders of `--files` uint16 `.ds` files each, `--tokens` tokens in all (default 200M: 8 files of 25M), documents
-of lognormal length (mean `--mean-doc-len`, default 600) of random ids 1..65535, each ending with EOS (id 0), and a
-word-level tokenizer folder whose 65,536 ids cover them. The pool goes to a temporary folder, or under
-`--pool-dir` where a later run finds and reuses it.
+The script writes its own pool of token shards in datatrove's layout (docs/data.md): per shard `NAME`, `NAME.ds`
+holds the tokens as raw little-endian integers (uint16 when the vocabulary has at most 65,536 entries, else
+uint32), `NAME.ds.index` the uint64 end offset of every document, and `NAME.ds.metadata` the line
+`tokenizer|token_size` and then the token count. The pool is `--folders` folders of `--files` uint16 `.ds` files
+each, `--tokens` tokens in all (default 200M: 8 files of 25M), documents of lognormal length (mean
+`--mean-doc-len`, default 600) of random ids 1..65535, each ending with EOS (id 0), and a word-level tokenizer
+folder whose 65,536 ids cover them. The pool goes to a temporary folder, or under `--pool-dir` where a later run
+finds and reuses it.
 
 Every shard file is read once before anything is timed, so both sides read from the page cache (the pool must fit
 in free memory); the table says how long that warming pass took.
@@ -55,9 +58,9 @@ from typing import Any
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 
-from cpu_load import cpu_busy_s, own_cpu_s, wait_until_quiet
+import common
+from cpu_load import ForeignLoad, settle
 from lmforge.config.data import TokensDataConfig
 from lmforge.data.batch import MicroBatch
 from lmforge.data.tokenizer import load_tokenizer
@@ -127,20 +130,6 @@ SMOKE = Settings(
 # ---------------------------------------------------------------------------------------------- the pool
 
 
-def write_tokenizer(folder: Path, size: int = VOCAB_SIZE) -> Path:
-    """A word-level tokenizer folder with ids 0..size-1: EOS `<|endoftext|>` at 0, then the words w1, w2, ..."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    eos = "<|endoftext|>"
-    vocab = {eos: EOS_ID, **{f"w{i}": i for i in range(1, size)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=eos))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}), encoding="utf-8")
-    return folder
-
-
 def doc_ends(rng: np.random.Generator, n_tokens: int, mean: float, sigma: float) -> np.ndarray:
     """uint64 END offsets of lognormal-length documents (>= 1 token, mean `mean`) that fill `n_tokens` exactly."""
     mu = math.log(mean) - sigma**2 / 2
@@ -166,8 +155,7 @@ def write_file(path: Path, n_tokens: int, rng: np.random.Generator, settings: Se
             k0, k1 = np.searchsorted(eos_at, [lo, hi])
             ids[eos_at[k0:k1] - lo] = EOS_ID
             f.write(ids.tobytes())
-    ends.tofile(path.with_name(path.name + ".index"))
-    path.with_name(path.name + ".metadata").write_text(f"benchmark-word-tokenizer|2\n{n_tokens}\n", encoding="utf-8")
+    common.write_shard_index(path, ends, "benchmark-word-tokenizer")
     return int(ends.size)
 
 
@@ -203,7 +191,7 @@ def make_pool(parent: Path, settings: Settings) -> Pool:
     if root.exists():
         shutil.rmtree(root)  # an unfinished pool of an interrupted run
     t0 = time.perf_counter()
-    tokenizer = write_tokenizer(root / "tokenizer")
+    tokenizer = common.write_word_tokenizer(root / "tokenizer", VOCAB_SIZE)
     n_files = settings.folders * settings.files
     sizes = [settings.tokens // n_files + (1 if i < settings.tokens % n_files else 0) for i in range(n_files)]
     rng = np.random.default_rng(settings.pool_seed)
@@ -232,9 +220,6 @@ def warm_page_cache(files: list[Path]) -> tuple[float, int]:
                 while n := f.readinto(view):
                     total += n
     return time.perf_counter() - t0, total
-
-
-# ---------------------------------------------------------------------------------------------- CPU load
 
 
 # ---------------------------------------------------------------------------------------------- the two sides
@@ -284,7 +269,7 @@ def run_loader(pool: Pool, settings: Settings, profile: cProfile.Profile | None 
         boundaries_ok &= check_boundaries(data.next_step(), settings.seq_len)
     seconds: list[float] = []
     tokens = micro_batches = segments = 0
-    busy0, own0 = cpu_busy_s(), own_cpu_s()
+    load = ForeignLoad()
     faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     deadline = time.perf_counter() + settings.max_seconds
     if profile is not None:
@@ -302,7 +287,6 @@ def run_loader(pool: Pool, settings: Settings, profile: cProfile.Profile | None 
         profile.disable()
     total = sum(seconds)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
-    foreign = (cpu_busy_s() - busy0 - (own_cpu_s() - own0)) / max(total, 1e-9)
     return {
         "open_s": open_s,
         "steps": len(seconds),
@@ -316,7 +300,7 @@ def run_loader(pool: Pool, settings: Settings, profile: cProfile.Profile | None 
         "epoch_reached": data.epoch,
         "boundaries_ok": boundaries_ok,
         # /proc/stat counts in clock ticks (10 ms): over a short run the figure would be noise.
-        "foreign_cores": max(foreign, 0.0) if total >= MIN_FOREIGN_S else None,
+        "foreign_cores": load.cores(max(total, 1e-9)) if total >= MIN_FOREIGN_S else None,
     }
 
 
@@ -377,19 +361,13 @@ def print_report(summary: dict[str, Any], console: Console) -> None:
     """The table: loader and raw tokens/s, the ratios, and the target verdict."""
     s = Settings(**summary["settings"])
     pool, loader, raw = summary["pool"], summary["loader"], summary["raw"]
-    table = Table(
-        title=(
-            f"token-shard loader vs raw memmap copy: pool {pool['tokens'] / 1e6:,.0f}M uint16 tokens in "
-            f"{len(pool['files'])} files, {pool['docs']:,} documents (mean {s.mean_doc_len:g} tokens); seq "
-            f"{s.seq_len}, {s.rank_tokens} tokens/step/rank in {s.rank_tokens // s.micro_batch_tokens} "
-            f"micro-batches, rank 0 of {s.world_size}; from the page cache"
-        )
+    title = (
+        f"token-shard loader vs raw memmap copy: pool {pool['tokens'] / 1e6:,.0f}M uint16 tokens in "
+        f"{len(pool['files'])} files, {pool['docs']:,} documents (mean {s.mean_doc_len:g} tokens); seq "
+        f"{s.seq_len}, {s.rank_tokens} tokens/step/rank in {s.rank_tokens // s.micro_batch_tokens} "
+        f"micro-batches, rank 0 of {s.world_size}; from the page cache"
     )
-    table.add_column("side")
-    table.add_column("tokens read", justify="right")
-    table.add_column("seconds", justify="right")
-    table.add_column("tokens/s", justify="right")
-    table.add_column("loader / side", justify="right")
+    table = common.result_table(title, ("side", "tokens read", "seconds", "tokens/s", "loader / side"))
     table.add_row(
         f"loader: TokenData.next_step ({loader['steps']} steps)",
         f"{loader['tokens']:,}",
@@ -412,8 +390,10 @@ def print_report(summary: dict[str, Any], console: Console) -> None:
             f"{loader['tokens_per_s'] / r['tokens_per_s']:.3f}x",
         )
     table.add_section()
-    verdict = "[green]PASS[/]" if summary["target_pass"] else "[red]MISS[/]"
-    table.add_row("target: loader tokens/s per rank", "", "", f">= {TARGET_TOKENS_PER_S:,}", f"{verdict}", style="bold")
+    target = f">= {TARGET_TOKENS_PER_S:,}"
+    table.add_row(
+        "target: loader tokens/s per rank", "", "", target, common.verdict(summary["target_pass"]), style="bold"
+    )
     console.print(table)
     reused = "reused from a previous run" if pool["reused"] else f"written in {pool['write_s']:.1f} s"
     console.print(
@@ -439,7 +419,9 @@ def print_report(summary: dict[str, Any], console: Console) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags; unset ones take the defaults of the chosen size."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    presets = {"default": Settings(), "smoke": SMOKE}
+    smoke = "2M-token pool and 4 steps: checks the script runs"
+    p = common.benchmark_parser(__doc__, presets, smoke, quiet_wait="before the timed parts")
     p.add_argument("--tokens", type=int, default=None, help="tokens in the pool (default 200M; smoke 2M)")
     p.add_argument("--folders", type=int, default=None, help="folders of the pool (default 4; smoke 2)")
     p.add_argument("--files", type=int, default=None, help=".ds files per folder (default 2)")
@@ -451,18 +433,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--raw-seconds", type=float, default=None, help="each raw side runs at least this long (default 1; smoke 0)"
     )
-    p.add_argument("--warmup", type=int, default=None, help="untimed loader steps first (default 2; smoke 1)")
     p.add_argument("--world-size", type=int, default=1, help="the loader is rank 0 of this many ranks (default 1)")
     p.add_argument("--pool-dir", type=Path, default=None, help="write (or reuse) the pool under this folder")
-    p.add_argument(
-        "--quiet-wait",
-        type=float,
-        default=None,
-        help="wait up to this many seconds for other processes to leave the CPUs (default 60; smoke 0)",
-    )
     p.add_argument("--profile", action="store_true", help="profile the loader's timed steps (cProfile) and print it")
-    p.add_argument("--smoke", action="store_true", help="2M-token pool and 4 steps: checks the script runs")
-    p.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
     return p.parse_args(argv)
 
 
@@ -477,18 +450,18 @@ def main(argv: list[str] | None = None) -> int:
         "mean_doc_len": args.mean_doc_len,
         "read_tokens": args.read_tokens,
         "max_seconds": args.max_seconds,
-        "warmup": args.warmup,
         "raw_seconds": args.raw_seconds,
     }
     settings = replace(base, world_size=args.world_size, **{k: v for k, v in overrides.items() if v is not None})
-    quiet_wait = args.quiet_wait if args.quiet_wait is not None else (0.0 if args.smoke else 60.0)
+    settings = common.with_flags(settings, args)
+    quiet_wait = common.quiet_wait_s(args)
     if settings.batch_tokens % (settings.micro_batch_tokens * settings.world_size):
         print("data.py: --world-size must divide the 16 micro-batches of a step", file=sys.stderr)
         return 2
     if settings.tokens < settings.folders * settings.files * (settings.seq_len + 1) or settings.warmup < 0:
         print("data.py: --tokens must give every file at least one window; --warmup must be >= 0", file=sys.stderr)
         return 2
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    console = common.make_console()
     with tempfile.TemporaryDirectory(prefix="lmforge-data-bench-") as tmp:
         parent = args.pool_dir if args.pool_dir is not None else Path(tmp)
         pool = make_pool(parent, settings)
@@ -499,8 +472,8 @@ def main(argv: list[str] | None = None) -> int:
             highlight=False,
         )
         warm_s, warm_bytes = warm_page_cache(pool.files)
-        if quiet_wait > 0:
-            busy = wait_until_quiet(quiet_wait)
+        busy = settle(quiet_wait)
+        if busy is not None:
             console.print(f"CPUs before timing: {busy:.2f} cores busy", highlight=False)
         profile = cProfile.Profile() if args.profile else None
         loader = run_loader(pool, settings, profile)
@@ -537,9 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     print_report(summary, console)
     if profile is not None:
         console.print(profile_report(profile), markup=False, highlight=False)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    common.write_json(args.json, summary)
     return 0
 
 

@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,42 +50,35 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from rich.console import Console
-from rich.table import Table
-from tokenizers import Tokenizer, models, pre_tokenizers
 
-sys.path.insert(0, str(Path(__file__).parent))
-from cpu_load import cpu_busy_s, own_cpu_s, wait_until_quiet
+import common
+from cpu_load import ForeignLoad, settle
 from lmforge.config import FakeDataConfig
 from lmforge.config.val import ValConfig
 from lmforge.data.batch import MicroBatch
 from lmforge.data.tokenizer import load_tokenizer
-from lmforge.model import LlamaArch, build_model
+from lmforge.eval.validation import SCORING_CHUNK, Validator
+from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from lmforge.model.llama import CausalLM
 from lmforge.model.loss import IGNORE_INDEX, head_cross_entropy
-from lmforge.train.setup import padded_vocab_size
-from lmforge.train.validation import SCORING_CHUNK, Validator
+from lmforge.runtime.model_setup import padded_vocab_size
 
 TARGET = 0.9
 """Validation tokens/s must be at least this fraction of the plain forward's."""
 SIDES = ("validation", "plain")
 FOREIGN_LIMIT = 0.1
 """Cores of foreign load above which a side's figures are flagged as unreliable."""
-EOS = "<|endoftext|>"
 HELDOUT, QUIZ = "heldout", "quiz"
 """Names of the token-folder set and the ctxcont set."""
 
 
 @dataclass(frozen=True)
-class Settings:
+class Settings(common.ModelSettings):
     """Model, sets and measurement protocol."""
 
-    hidden_size: int = 256
-    intermediate_size: int = 688
-    num_hidden_layers: int = 6
-    num_attention_heads: int = 4
-    vocab_words: int = 4096
-    """Tokenizer size: EOS plus vocab_words - 1 words (the model's vocabulary is this rounded up to 128)."""
+    vocab_size: int = 4096
+    """Tokenizer size: EOS plus vocab_size - 1 words (the model's vocabulary is this rounded up to 128)."""
     seq_len: int = 512
     """Validation context length L."""
     row_tokens: int = 2048
@@ -99,17 +92,13 @@ class Settings:
     continuation_words: tuple[int, int] = (2, 16)
     """ctxcont items: word counts drawn uniformly in [lo, hi)."""
     data_seed: int = 0
-    init_std: float = 0.02
-    init_seed: int = 0
     repeats: int = 5
     threads: int = 2
 
 
-SMOKE = Settings(
-    hidden_size=64,
-    intermediate_size=176,
-    num_hidden_layers=2,
-    vocab_words=512,
+SMOKE = common.tiny(
+    Settings,
+    vocab_size=512,
     seq_len=64,
     row_tokens=256,
     docs=24,
@@ -117,7 +106,6 @@ SMOKE = Settings(
     items=8,
     context_words=(4, 30),
     continuation_words=(1, 8),
-    repeats=1,
 )
 """Small enough that a test runs the whole script in seconds."""
 
@@ -125,37 +113,24 @@ SMOKE = Settings(
 # ---------------------------------------------------------------------------------------------- inputs
 
 
-def write_tokenizer(folder: Path, size: int) -> Path:
-    """A word-level tokenizer folder: EOS at id 0, then w1 .. w{size-1} (a word maps to exactly one token)."""
-    vocab = {EOS: 0, **{f"w{i}": i for i in range(1, size)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=EOS))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
-    return folder
-
-
 def write_token_folder(folder: Path, docs: Sequence[np.ndarray]) -> None:
     """Documents as one datatrove shard: uint16 tokens, uint64 document ends, and the metadata file."""
     folder.mkdir(parents=True, exist_ok=True)
-    tokens = np.concatenate(docs).astype("<u2")
-    tokens.tofile(folder / "00000.ds")
-    np.cumsum([len(d) for d in docs]).astype("<u8").tofile(folder / "00000.ds.index")
-    (folder / "00000.ds.metadata").write_text(f"evals-benchmark|2\n{len(tokens)}\n")
+    np.concatenate(docs).astype("<u2").tofile(folder / "00000.ds")
+    common.write_shard_index(folder / "00000.ds", np.cumsum([len(d) for d in docs]), "evals-benchmark")
 
 
 def random_docs(s: Settings, rng: np.random.Generator) -> list[np.ndarray]:
     """Held-out documents of random words, each ending with EOS (id 0)."""
     lengths = rng.integers(2, 2 * s.mean_doc_len, size=s.docs)
-    return [np.append(rng.integers(1, s.vocab_words, size=int(n) - 1), 0) for n in lengths]
+    return [np.append(rng.integers(1, s.vocab_size, size=int(n) - 1), 0) for n in lengths]
 
 
 def quiz_items(s: Settings, rng: np.random.Generator) -> tuple[list[dict[str, Any]], int]:
     """ctxcont rows of random words, and the continuation tokens they hold (one token per word)."""
 
     def words(bounds: tuple[int, int]) -> list[str]:
-        return [f"w{i}" for i in rng.integers(1, s.vocab_words, size=int(rng.integers(*bounds)))]
+        return [f"w{i}" for i in rng.integers(1, s.vocab_size, size=int(rng.integers(*bounds)))]
 
     rows, scored = [], 0
     for i in range(s.items):
@@ -173,25 +148,12 @@ def quiz_items(s: Settings, rng: np.random.Generator) -> tuple[list[dict[str, An
 
 def build(s: Settings, vocab: int, attn: str, device: torch.device) -> CausalLM:
     """The Llama both sides run, initialized as training initializes it."""
-    arch = LlamaArch(
-        hidden_size=s.hidden_size,
-        intermediate_size=s.intermediate_size,
-        num_hidden_layers=s.num_hidden_layers,
-        num_attention_heads=s.num_attention_heads,
-        max_position_embeddings=s.seq_len,
-    )
-    model = build_model(arch, padded_vocab_size(vocab), attn, device)
+    model = build_model(s.llama_arch(), padded_vocab_size(vocab), attn, device)
     init_weights(model, s.init_std, s.init_seed)
     return model.to(device).eval()
 
 
 # ---------------------------------------------------------------------------------------------- timing
-
-
-def sync(device: torch.device) -> None:
-    """Wait for queued device work, so wall time covers it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def to_device(batch: MicroBatch, device: torch.device) -> MicroBatch:
@@ -216,12 +178,12 @@ class Clock:
 
     def time(self, fn: Callable[[], object], device: torch.device) -> None:
         """Run `fn` once and add its wall time and the CPU time other processes spent meanwhile."""
-        sync(device)
-        busy0, own0, t0 = cpu_busy_s(), own_cpu_s(), time.perf_counter()
+        common.sync(device)
+        load, t0 = ForeignLoad(), time.perf_counter()
         fn()
-        sync(device)
+        common.sync(device)
         wall = time.perf_counter() - t0
-        self.foreign_s += max(cpu_busy_s() - busy0 - (own_cpu_s() - own0), 0.0)
+        self.foreign_s += max(load.cpu_s(), 0.0)
         self.seconds.append(wall)
 
     def figures(self, positions: int) -> dict[str, Any]:
@@ -269,7 +231,7 @@ def plain_loglik(model: CausalLM, rows: Sequence[Any], n_requests: int, device: 
 def run(s: Settings, device: torch.device, attn: str, quiet_wait: float, work: Path) -> dict[str, Any]:
     """Write the sets, build the model and validators, time both sides and check their results."""
     rng = np.random.default_rng(s.data_seed)
-    tokenizer = load_tokenizer(write_tokenizer(work / "tokenizer", s.vocab_words))
+    tokenizer = load_tokenizer(common.write_word_tokenizer(work / "tokenizer", s.vocab_size))
     docs = random_docs(s, rng)
     write_token_folder(work / HELDOUT, docs)
     items, quiz_scored = quiz_items(s, rng)
@@ -278,9 +240,9 @@ def run(s: Settings, device: torch.device, attn: str, quiet_wait: float, work: P
 
     data = FakeDataConfig(seq_len=s.seq_len, batch_tokens=s.row_tokens, micro_batch_tokens=s.row_tokens,
                           vocab_size=tokenizer.size)  # fmt: skip
-    common = {"seq_lens": [s.seq_len], "micro_batch_tokens": s.row_tokens}
-    heldout_cfg = ValConfig.model_validate({**common, "sets": [{"name": HELDOUT, "path": str(work / HELDOUT)}]})
-    quiz_cfg = ValConfig.model_validate({**common, "sets": [QUIZ], "data_dir": str(work / "sets")})
+    scoring = {"seq_lens": [s.seq_len], "micro_batch_tokens": s.row_tokens}
+    heldout_cfg = ValConfig.model_validate({**scoring, "sets": [{"name": HELDOUT, "path": str(work / HELDOUT)}]})
+    quiz_cfg = ValConfig.model_validate({**scoring, "sets": [QUIZ], "data_dir": str(work / "sets")})
     validators = {
         HELDOUT: Validator(heldout_cfg, data, tokenizer, rank=0, world_size=1),
         QUIZ: Validator(quiz_cfg, data, tokenizer, rank=0, world_size=1),
@@ -318,18 +280,16 @@ def run(s: Settings, device: torch.device, attn: str, quiet_wait: float, work: P
 
     for fn in [*passes.values(), *heads.values()]:  # warmup: allocator, thread pool, kernels
         fn()
-        sync(device)
+        common.sync(device)
     clocks = {key: Clock() for key in [*passes, *((h, "head") for h in heads)]}
     quiet_before = []
     for r in range(s.repeats):
         if quiet_wait > 0:
-            quiet_before.append(wait_until_quiet(quiet_wait))
-        # Alternate which side goes first, so drift in the machine's speed does not favour one side.
-        order = SIDES if r % 2 == 0 else SIDES[::-1]
+            quiet_before.append(settle(quiet_wait))
         for name in validators:
-            for side in order:
+            for side in common.in_turn(SIDES, r):
                 clocks[(name, side)].time(passes[(name, side)], device)
-        for h in heads if r % 2 == 0 else list(heads)[::-1]:
+        for h in common.in_turn(list(heads), r):
             clocks[(h, "head")].time(heads[h], device)
 
     metrics = validators[HELDOUT].evaluate(model, device)
@@ -389,17 +349,15 @@ def print_report(figures: dict[str, Any], console: Console) -> None:
         f"L {s.seq_len}, rows of {s.row_tokens}, fp32, {figures['device']}, {figures['threads']} threads, "
         f"median of {s.repeats}"
     )
-    table = Table(title=title)
-    for column in ("set", "side", "rows", "positions", "scored", "median s", "tokens/s", "foreign cores"):
-        table.add_column(column, justify="left" if column in ("set", "side") else "right")
+    columns = ("set", "side", "rows", "positions", "scored", "median s", "tokens/s", "foreign cores")
+    table = common.result_table(title, columns, left={"set", "side"})
     for name, f in figures["sets"].items():
         for side in SIDES:
             g = f[side]
             cells = [str(f["rows"]), f"{f['positions']:,}", f"{f['scored_tokens']:,}"] if side == SIDES[0] else [""] * 3
             table.add_row(name if side == SIDES[0] else "", side, *cells, f"{g['median_s']:.4f}",
                           f"{g['tokens_per_s']:,.0f}", f"{g['foreign_cores']:.2f}")  # fmt: skip
-        verdict = "[green]PASS[/]" if f["pass"] else "[red]MISS[/]"
-        table.add_row("", "validation / plain", "", "", "", "", f"{f['ratio']:.3f}x {verdict}", "")
+        table.add_row("", "validation / plain", "", "", "", "", f"{f['ratio']:.3f}x {common.verdict(f['pass'])}", "")
         table.add_section()
     console.print(table)
     heads = figures["heads"]
@@ -422,37 +380,26 @@ def print_report(figures: dict[str, Any], console: Console) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the comparison, print the table, optionally write the JSON."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line flags; unset ones take the defaults of the chosen size."""
+    presets = {"default": Settings(), "smoke": SMOKE}
+    p = common.benchmark_parser(__doc__, presets, "tiny model and sets, one repeat", quiet_wait="before each repeat")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--attn", default="auto", help="attention backend (default: auto, the device's choice)")
-    p.add_argument("--repeats", type=int, default=None, help="timed passes per side (default 5; smoke 1)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads on the CPU (default 2)")
-    p.add_argument(
-        "--quiet-wait",
-        type=float,
-        default=None,
-        help="before each repeat, wait up to this many seconds for idle CPUs (default 60; smoke 0)",
-    )
-    p.add_argument("--smoke", action="store_true", help="tiny model and sets, one repeat")
-    p.add_argument("--json", type=Path, default=None, help="write the figures here")
-    args = p.parse_args(argv)
-    settings = SMOKE if args.smoke else Settings()
-    settings = replace(
-        settings,
-        repeats=args.repeats if args.repeats is not None else settings.repeats,
-        threads=args.threads if args.threads is not None else settings.threads,
-    )
-    quiet_wait = args.quiet_wait if args.quiet_wait is not None else (0.0 if args.smoke else 60.0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the comparison, print the table, optionally write the JSON."""
+    args = parse_args(argv)
+    settings = common.with_flags(SMOKE if args.smoke else Settings(), args)
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(settings.threads)
     with tempfile.TemporaryDirectory(prefix="lmforge-evals-") as tmp:
-        figures = run(settings, device, args.attn, quiet_wait, Path(tmp))
-    print_report(figures, Console(width=None if sys.stdout.isatty() else 140))
-    if args.json is not None:
-        args.json.write_text(json.dumps(figures, indent=1))
+        figures = run(settings, device, args.attn, common.quiet_wait_s(args), Path(tmp))
+    print_report(figures, common.make_console(140))
+    common.write_json(args.json, figures)
     return 0
 
 

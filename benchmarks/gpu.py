@@ -44,67 +44,73 @@ The script exits 0 when it ran, even if a size failed (its row says why); 2 on b
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import asdict, dataclass, replace
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
+import common
 from lmforge.config import TrainConfig
 from lmforge.config.checks import check_config
-from lmforge.train.parallel import init_distributed, shutdown_distributed
-from lmforge.train.setup import prepare_output_dir
+from lmforge.parallel import init_distributed, shutdown_distributed
+from lmforge.runtime.run_dir import prepare_output_dir
 from lmforge.train.trainer import Trainer
 
 K = 1024
 
 
 @dataclass(frozen=True)
-class Size:
-    """One model size and its batch geometry."""
+class Size(common.TrainSettings):
+    """One model size, its batch geometry, and the steps and lr it runs (`--steps`, `--warmup` set every size's)."""
 
-    name: str
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
+    name: str = "custom"
+    vocab_size: int = 32768
     seq_len: int = 4096
-    micro_batch_tokens: int = 32 * K
     batch_tokens: int = 256 * K
+    micro_batch_tokens: int = 32 * K
+    mean_doc_len: float = 1024.0
+    lr: float = 3e-4
+    warmup: int = 5
+    steps: int = 15
     ac: str = "none"
     """Default activation checkpointing of this size (`--ac` overrides it for every size)."""
-    vocab_size: int = 32768
-    mean_doc_len: float = 1024.0
+
+
+def _size(name: str, hidden: int, ffn: int, layers: int, heads: int, kv_heads: int, **other: Any) -> Size:
+    """A size of the table, its shape in the order the table of the docstring gives it."""
+    return Size(
+        name=name,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        **other,
+    )
 
 
 SIZES: dict[str, Size] = {
-    "125m": Size("125m", 768, 2048, 12, 12, 12, micro_batch_tokens=64 * K),
-    "350m": Size("350m", 1024, 2816, 24, 16, 16),
-    "1b": Size("1b", 2048, 8192, 16, 32, 8, batch_tokens=128 * K, ac="selective"),
+    "125m": _size("125m", 768, 2048, 12, 12, 12, micro_batch_tokens=64 * K),
+    "350m": _size("350m", 1024, 2816, 24, 16, 16),
+    "1b": _size("1b", 2048, 8192, 16, 32, 8, batch_tokens=128 * K, ac="selective"),
 }
 """The default table, smallest first (a failure of a big size still leaves the small ones measured)."""
 
-SMOKE = Size("smoke", 64, 176, 2, 4, 4, seq_len=128, micro_batch_tokens=128, batch_tokens=256, vocab_size=512,
-             mean_doc_len=32.0)  # fmt: skip
+SMOKE = common.tiny(Size, name="smoke", num_key_value_heads=4, vocab_size=512)
 """A model and batch small enough that a test runs the script in seconds on the CPU."""
 
 
 @dataclass(frozen=True)
 class Options:
-    """What every size shares: optimizer, compilation, attention, loss chunking and the measurement protocol."""
+    """What every size shares: optimizer, compilation, attention and loss chunking."""
 
     optim: str = "adamw"
     compile: bool = True
@@ -114,55 +120,21 @@ class Options:
     loss_chunk_tokens: int = 4096
     param_dtype: str = "auto"
     """`auto`: bf16 on CUDA, fp32 on the CPU."""
-    lr: float = 3e-4
-    warmup: int = 5
-    steps: int = 15
 
 
 def train_config(size: Size, opts: Options, output_dir: str) -> TrainConfig:
     """The lmforge config of one size: constant lr, no checkpoint, fake pretraining-like data."""
-    return TrainConfig.model_validate(
-        {
-            "max_steps": opts.warmup + opts.steps,
-            "output_dir": output_dir,
-            "model": {
-                "arch": {
-                    "model_type": "llama",
-                    "hidden_size": size.hidden_size,
-                    "intermediate_size": size.intermediate_size,
-                    "num_hidden_layers": size.num_hidden_layers,
-                    "num_attention_heads": size.num_attention_heads,
-                    "num_key_value_heads": size.num_key_value_heads,
-                    "max_position_embeddings": size.seq_len,
-                },
-                "attn": opts.attn,
-                "param_dtype": opts.param_dtype,
-                "compile": opts.compile,
-                "ac": {"mode": opts.ac or size.ac},
-                "loss_chunk_tokens": opts.loss_chunk_tokens,
-            },
-            "data": {
-                "type": "fake",
-                "seq_len": size.seq_len,
-                "batch_tokens": size.batch_tokens,
-                "micro_batch_tokens": size.micro_batch_tokens,
-                "vocab_size": size.vocab_size,
-                "mean_doc_len": size.mean_doc_len,
-                "document_masking": True,
-            },
-            "optim": {"type": opts.optim, "lr": opts.lr},
-            "schedule": {"warmup": 0.0, "decay": 0.0},
-            "ckpt": {"final": False},
-        }
-    )
+    model = {
+        "attn": opts.attn,
+        "param_dtype": opts.param_dtype,
+        "compile": opts.compile,
+        "ac": {"mode": opts.ac or size.ac},
+        "loss_chunk_tokens": opts.loss_chunk_tokens,
+    }
+    return size.train_config(output_dir, model=model, optim={"type": opts.optim}, ckpt={"final": False})
 
 
 # ---------------------------------------------------------------------------------------------- one size
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure(size: Size, opts: Options) -> dict[str, Any]:
@@ -178,48 +150,39 @@ def measure(size: Size, opts: Options) -> dict[str, Any]:
             trainer = Trainer(config, ctx, console=False)
             try:
                 backend = getattr(trainer.model, "attn_backend", None)
-                seconds: list[float] = []
-                tokens = pairs = 0.0
-                losses: list[float] = []
-                setup_s = 0.0
-                _sync(device)
-                for i in range(opts.warmup + opts.steps):
-                    if i == opts.warmup:
-                        setup_s = time.perf_counter() - t_start
+
+                def step(_: int) -> dict[str, float]:
+                    # What Trainer.train does per step, minus the metrics file and console.
                     t0 = time.perf_counter()
                     micro_batches = trainer.data.next_step()
-                    metrics = trainer.train_step(micro_batches, time.perf_counter() - t0)
-                    _sync(device)
-                    dt = time.perf_counter() - t0
-                    losses.append(metrics["loss/mean"])
-                    if i >= opts.warmup:
-                        seconds.append(dt)
-                        tokens += metrics["batch/tokens"]
-                        pairs += metrics["batch/pairs"]
+                    return trainer.train_step(micro_batches, time.perf_counter() - t0)
+
+                timing = common.timed_steps(size.warmup, size.steps, step, device)
+                timed = timing.results[size.warmup :]
+                seconds = timing.seconds
+                tokens = sum(m["batch/tokens"] for m in timed)
+                pairs = sum(m["batch/pairs"] for m in timed)
                 total_s = sum(seconds)
                 flops, dense = trainer.flops.step_flops(tokens, pairs)
                 peak = trainer.peak_flops
+                cuda = device.type == "cuda"
                 row: dict[str, Any] = {
                     "params": trainer.params["params/total"],
                     "tokens_per_s": tokens / total_s,
                     "mfu_pct": 100 * flops / (total_s * peak) if peak else None,
                     "mfu_6nd_pct": 100 * dense / (total_s * peak) if peak else None,
-                    "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30
-                    if device.type == "cuda"
-                    else None,
-                    "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30
-                    if device.type == "cuda"
-                    else None,
+                    "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+                    "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
                     "attn_backend": backend,
                     "median_step_s": statistics.median(seconds),
                     "step_s": seconds,
-                    "setup_s": setup_s,
+                    "setup_s": timing.timed_from - t_start,
                     "timed_tokens": tokens,
                     "timed_pairs": pairs,
                     "flops_per_token": flops / tokens,
                     "peak_flops": peak,
-                    "losses": losses,
-                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    "losses": [m["loss/mean"] for m in timing.results],
+                    "device": torch.cuda.get_device_name(device) if cuda else "cpu",
                     "torch": torch.__version__,
                 }
                 return row
@@ -229,16 +192,11 @@ def measure(size: Size, opts: Options) -> dict[str, Any]:
         shutdown_distributed()
 
 
-def child_main(size: Size, opts: Options, conn: Connection) -> None:
-    """Entry point of a spawned child: measure one size and send back its row (or the traceback)."""
+def measure_in_child(size: Size, opts: Options) -> dict[str, Any]:
+    """`measure` in a spawned child, with the CUDA allocator set up for large micro-batches."""
     # Fewer fragmentation OOMs at large micro-batches; read when CUDA first allocates, so it must be set first.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    try:
-        conn.send(measure(size, opts))
-    except BaseException as e:
-        conn.send({"error": f"{type(e).__name__}: {e}".splitlines()[0][:300], "traceback": traceback.format_exc()})
-    finally:
-        conn.close()
+    return measure(size, opts)
 
 
 def run_size(size: Size, opts: Options, timeout: float) -> dict[str, Any]:
@@ -250,25 +208,8 @@ def run_size(size: Size, opts: Options, timeout: float) -> dict[str, Any]:
         "compile": opts.compile,
         "optim": opts.optim,
     }
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=child_main, args=(size, opts, child), name=f"gpu-bench-{size.name}")
     t0 = time.perf_counter()
-    proc.start()
-    child.close()
-    try:
-        if parent.poll(timeout):
-            row.update(parent.recv())
-            proc.join(timeout=30)  # the child only closes its trainer and process group after sending
-        else:
-            row["error"] = f"timed out after {timeout:.0f} s"
-    except EOFError:
-        pass  # the child died without a word (a crash): its exit code says more
-    if proc.is_alive():
-        proc.kill()
-    proc.join()
-    if "tokens_per_s" not in row and "error" not in row:
-        row["error"] = f"the process exited with code {proc.exitcode} without a result"
+    row.update(common.run_in_child(measure_in_child, (size, opts), f"gpu-bench-{size.name}", timeout=timeout))
     row["wall_s"] = time.perf_counter() - t0
     return row
 
@@ -283,17 +224,13 @@ def _fmt(value: float | None, spec: str) -> str:
 def print_table(rows: list[dict[str, Any]], opts: Options, console: Console) -> None:
     """One row per size; a failed size shows its error instead of figures."""
     device = next((r["device"] for r in rows if "device" in r), "the device (no size ran)")
-    table = Table(
-        title=(
-            f"lmforge training throughput on {device}: {opts.optim}, compile {'on' if opts.compile else 'off'}, "
-            f"loss chunk {opts.loss_chunk_tokens}, {opts.steps} timed steps after {opts.warmup}"
-        )
+    title = (
+        f"lmforge training throughput on {device}: {opts.optim}, compile {'on' if opts.compile else 'off'}, "
+        f"loss chunk {opts.loss_chunk_tokens}, {rows[0]['steps']} timed steps after {rows[0]['warmup']}"
     )
-    for name, justify in [("size", "left"), ("params", "right"), ("seq / micro / batch", "right"), ("ac", "left"),
-                          ("tokens/s", "right"), ("MFU %", "right"), ("MFU 6ND %", "right"),
-                          ("peak mem GiB", "right"), ("attention", "left"), ("median step s", "right"),
-                          ("setup s", "right")]:  # fmt: skip
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    columns = ("size", "params", "seq / micro / batch", "ac", "tokens/s", "MFU %", "MFU 6ND %", "peak mem GiB",
+               "attention", "median step s", "setup s")  # fmt: skip
+    table = common.result_table(title, columns, left={"size", "ac", "attention"})
     for r in rows:
         geometry = f"{r['seq_len']} / {r['micro_batch_tokens'] // K}K / {r['batch_tokens'] // K}K"
         if r["seq_len"] < K:
@@ -323,12 +260,9 @@ def print_table(rows: list[dict[str, Any]], opts: Options, console: Console) -> 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    smoke = "tiny fp32 model on the CPU, 1 + 2 steps: checks the script"
+    p = common.benchmark_parser(__doc__, {"default": SIZES["125m"], "smoke": SMOKE}, smoke)
     p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES), help="sizes to run (default all)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per size (default 15; smoke 2)")
-    p.add_argument(
-        "--warmup", type=int, default=None, help="untimed steps first, compilation included (default 5; smoke 1)"
-    )
     p.add_argument("--optim", choices=("adamw", "muon"), default="adamw", help="optimizer (default adamw)")
     p.add_argument("--no-compile", action="store_true", help="don't torch.compile the blocks")
     p.add_argument(
@@ -340,8 +274,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attn", default="auto", help="attention backend (default auto: flash/varlen/flex on CUDA)")
     p.add_argument("--loss-chunk-tokens", type=int, default=4096, help="LM head + loss chunk (default 4096; 0: all)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one size may take before it is stopped")
-    p.add_argument("--smoke", action="store_true", help="tiny fp32 model on the CPU, 1 + 2 steps: checks the script")
-    p.add_argument("--json", type=Path, default=None, help="write the rows to this JSON file")
     return p.parse_args(argv)
 
 
@@ -357,17 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     sizes = [SIZES[name] for name in SIZES if name in args.sizes]
     if args.smoke:
-        opts = replace(opts, compile=False, param_dtype="float32", warmup=1, steps=2)
+        opts = replace(opts, compile=False, param_dtype="float32")
         sizes = [SMOKE]
-    opts = replace(
-        opts,
-        steps=args.steps if args.steps is not None else opts.steps,
-        warmup=args.warmup if args.warmup is not None else opts.warmup,
-    )
-    if opts.steps < 1 or opts.warmup < 0 or opts.loss_chunk_tokens < 0:
+    sizes = [common.with_flags(size, args) for size in sizes]
+    if sizes[0].steps < 1 or sizes[0].warmup < 0 or opts.loss_chunk_tokens < 0:
         print("gpu.py: --steps must be >= 1, --warmup and --loss-chunk-tokens >= 0", file=sys.stderr)
         return 2
-    console = Console(width=None if sys.stdout.isatty() else 160)  # no wrapping in logs and pipes
+    console = common.make_console(160)
     rows: list[dict[str, Any]] = []
     for size in sizes:
         row = run_size(size, opts, args.timeout)
@@ -383,10 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         rows.append(row)
     print_table(rows, opts, console)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        figures = {"settings": asdict(opts), "rows": rows}
-        args.json.write_text(json.dumps(figures, indent=2, allow_nan=True) + "\n", encoding="utf-8")
+    common.write_json(args.json, {"settings": asdict(opts), "rows": rows})
     return 0
 
 

@@ -37,23 +37,17 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import multiprocessing as mp
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass, replace
-from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).parent))
-from cpu_load import cpu_busy_s, own_cpu_s, wait_until_quiet
+import common
+from cpu_load import settle
 from lmforge.model import Glm4MoeArch, LlamaArch, build_model
 from lmforge.model.init import init_weights
 from lmforge.model.llama import CausalLM
@@ -67,63 +61,70 @@ IMPL = {"moe_grouped_mm": "grouped_mm", "moe_loop": "loop"}
 """`Experts.impl` of each MoE side."""
 FOREIGN_LIMIT = 0.1
 """Cores of foreign load above which a side's figures are flagged as unreliable."""
+SHAPE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+"""The architecture fields both models take from the settings."""
 
 
 @dataclass(frozen=True)
-class Settings:
-    """Both models, the rows and the measurement protocol."""
+class Settings(common.TrainSettings):
+    """Both models, the rows and the measurement protocol.
 
-    hidden_size: int = 256
-    num_hidden_layers: int = 6
-    num_attention_heads: int = 4
+    A row is one packed forward of `seq_len` tokens (so `micro_batch_tokens` is `seq_len`), a step `batch_tokens`
+    / `seq_len` rows; a row holds seq_len / `mean_doc_len` documents, cut at random points. `intermediate_size` is
+    the dense model's MLP width: (top_k + n_shared_experts) x moe_intermediate_size, so that a token multiplies as
+    many MLP weights in the dense model as expert weights in the MoE.
+    """
+
+    intermediate_size: int = 768
+    seq_len: int = 1024
+    batch_tokens: int = 2048
+    micro_batch_tokens: int = 1024
+    steps: int = 6
     moe_intermediate_size: int = 256
-    """Width of one expert's SwiGLU (routed and shared); the dense MLP is (top_k + n_shared) times this."""
+    """Width of one expert's SwiGLU (routed and shared)."""
     n_routed_experts: int = 8
     top_k: int = 2
     n_shared_experts: int = 1
-    vocab_size: int = 512
-    seq_len: int = 1024
-    """Tokens per packed row (one forward + backward)."""
-    rows: int = 2
-    """Rows per optimizer step."""
-    segments: int = 4
-    """Documents per row."""
-    data_seed: int = 0
-    init_std: float = 0.02
-    init_seed: int = 0
-    lr: float = 1e-3
-    weight_decay: float = 0.1
-    warmup: int = 2
-    steps: int = 6
     repeats: int = 3
     threads: int = 2
     dtype: str = "float32"
     """Parameters, activations and AdamW state (fp32 on the CPU, bf16 on CUDA)."""
 
+    def __post_init__(self) -> None:
+        """Refuse settings whose sides would not be comparable, or whose rows are not whole forwards."""
+        if self.intermediate_size != (self.top_k + self.n_shared_experts) * self.moe_intermediate_size:
+            raise ValueError("intermediate_size must be (top_k + n_shared_experts) x moe_intermediate_size")
+        if self.micro_batch_tokens != self.seq_len or self.batch_tokens % self.seq_len:
+            raise ValueError("a row is one forward: micro_batch_tokens = seq_len, batch_tokens a multiple of it")
+
     @property
     def dense_intermediate_size(self) -> int:
         """The dense MLP width that matches the MoE's active expert weights per token."""
-        return (self.top_k + self.n_shared_experts) * self.moe_intermediate_size
+        return self.intermediate_size
+
+    @property
+    def rows(self) -> int:
+        """Rows per optimizer step."""
+        return self.batch_tokens // self.seq_len
+
+    @property
+    def segments(self) -> int:
+        """Documents per row."""
+        return round(self.seq_len / self.mean_doc_len)
 
     @property
     def tokens_per_step(self) -> int:
         """Row positions per optimizer step (the same on every side)."""
-        return self.rows * self.seq_len
+        return self.batch_tokens
 
     def arch(self, side: str) -> LlamaArch | Glm4MoeArch:
         """The architecture of a side: the Llama for `dense`, the GLM-4.5 MoE otherwise."""
-        common = {
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "max_position_embeddings": self.seq_len,
-            "intermediate_size": self.dense_intermediate_size,
-        }
+        dense = self.llama_arch()
         if side == "dense":
-            return LlamaArch(**common)
+            return dense
         # intermediate_size is the width of first_k_dense_replace's dense blocks: none here.
         return Glm4MoeArch(
-            **common,
+            **dense.model_dump(include={*SHAPE, "max_position_embeddings"}),
             moe_intermediate_size=self.moe_intermediate_size,
             n_routed_experts=self.n_routed_experts,
             num_experts_per_tok=self.top_k,
@@ -133,27 +134,20 @@ class Settings:
         )
 
 
-SMOKE = Settings(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    moe_intermediate_size=32,
-    seq_len=128,
-    warmup=1,
-    steps=2,
-    repeats=1,
-)
+SMOKE = common.tiny(Settings, intermediate_size=96, moe_intermediate_size=32)
 """Small enough that a test runs the whole script in seconds."""
 
 CUDA = Settings(
     hidden_size=1024,
+    intermediate_size=1536,
     num_hidden_layers=8,
     num_attention_heads=16,
     moe_intermediate_size=512,
     vocab_size=32768,
     seq_len=4096,
-    rows=4,
-    segments=8,
+    batch_tokens=4 * 4096,
+    micro_batch_tokens=4096,
+    mean_doc_len=512.0,
     warmup=3,
     steps=10,
     repeats=2,
@@ -205,12 +199,6 @@ def build(side: str, s: Settings, device: torch.device) -> CausalLM:
     return model.train()
 
 
-def sync(device: torch.device) -> None:
-    """Wait for queued device work, so wall time covers it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_training(side: str, s: Settings, device: torch.device) -> dict[str, Any]:
     """Build the side's model, train warmup + timed steps, and return the timings, losses and parameter counts."""
     model = build(side, s, device)
@@ -228,77 +216,49 @@ def run_training(side: str, s: Settings, device: torch.device) -> dict[str, Any]
     loss_tokens = [sum(int((row["targets"] != IGNORE_INDEX).sum()) for row in rows) for rows in steps]
     steps = [[{k: v if k == "seq_lens" else v.to(device) for k, v in row.items()} for row in rows] for rows in steps]
 
-    def step(rows: list[dict[str, torch.Tensor]], loss_tokens: int) -> tuple[torch.Tensor, float]:
-        """One training step; returns the mean loss (on the device) and when the optimizer step began."""
+    def step(i: int) -> tuple[torch.Tensor, float]:
+        """Training step `i`; returns the mean loss (on the device) and when the optimizer step began."""
         total = torch.zeros((), device=device)
-        for row in rows:
+        for row in steps[i]:
             loss = model(row["input_ids"], row["position_ids"], row["seq_lens"], targets=row["targets"])
-            (loss / loss_tokens).backward()
-            total += loss.detach() / loss_tokens
+            (loss / loss_tokens[i]).backward()
+            total += loss.detach() / loss_tokens[i]
         # The MoE holds (experts + shared) / (top_k + shared) times the dense MLP's weights: its AdamW step is
         # where total (not active) parameters cost time, so it is timed on its own too.
-        sync(device)
+        common.sync(device)
         t_opt = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return total, t_opt
 
-    losses, seconds, optimizer_s = [], [], []
-    busy0 = own0 = 0.0
-    for i, rows in enumerate(steps):
-        if i == s.warmup:
-            busy0, own0 = cpu_busy_s(), own_cpu_s()
-        sync(device)
-        t0 = time.perf_counter()
-        loss, t_opt = step(rows, loss_tokens[i])
-        sync(device)
-        if i >= s.warmup:
-            seconds.append(time.perf_counter() - t0)
-            optimizer_s.append(time.perf_counter() - t_opt)
-        losses.append(float(loss))  # after the clock: the host read is not part of the step
-    foreign = (cpu_busy_s() - busy0 - (own_cpu_s() - own0)) / sum(seconds)
+    timing = common.timed_steps(s.warmup, s.steps, step, device)
+    opt_starts = [t_opt for _, t_opt in timing.results[s.warmup :]]
     load = [moe.tokens_per_expert.float() for moe in model.moe_layers().values()]
     return {
-        "seconds": seconds,
-        "optimizer_s": optimizer_s,
-        "losses": losses,
-        "foreign_cores": max(foreign, 0.0),
+        "seconds": timing.seconds,
+        "optimizer_s": [end - t_opt for end, t_opt in zip(timing.ends, opt_starts, strict=True)],
+        "losses": [float(loss) for loss, _ in timing.results],  # after the clock: a host read is not part of a step
+        "foreign_cores": timing.foreign_cores,
         "params": {**asdict(counts), "router": router},
         # Busiest expert over the mean, worst layer, over all steps: the loop's matmuls are as uneven as this.
         "expert_load_max_over_mean": max(float(c.max() / c.mean()) for c in load) if load else None,
     }
 
 
-def child_main(side: str, s: Settings, device_name: str, conn: Connection) -> None:
-    """Entry point of a spawned child: run one side and send back its figures (or the traceback)."""
-    try:
-        device = torch.device(device_name)
-        if device.type == "cpu":
-            torch.set_num_threads(s.threads)
-        t0 = time.perf_counter()
-        result = run_training(side, s, device)
-        conn.send({"side": side, **result, "threads": torch.get_num_threads(), "wall_s": time.perf_counter() - t0})
-    except BaseException:
-        conn.send({"side": side, "error": traceback.format_exc()})
-    finally:
-        conn.close()
+def measure_side(side: str, s: Settings, device_name: str) -> dict[str, Any]:
+    """Run one side in this (spawned) process and return its figures."""
+    device = torch.device(device_name)
+    if device.type == "cpu":
+        torch.set_num_threads(s.threads)
+    t0 = time.perf_counter()
+    result = run_training(side, s, device)
+    return {"side": side, **result, "threads": torch.get_num_threads(), "wall_s": time.perf_counter() - t0}
 
 
 def run_side(side: str, s: Settings, device: str) -> dict[str, Any]:
     """Run one side in a fresh spawned process and return its figures."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=child_main, args=(side, s, device, child), name=f"moe-bench-{side}")
-    proc.start()
-    child.close()
-    try:
-        result = parent.recv()
-    except EOFError:
-        result = {"side": side, "error": "child exited without a result"}
-    proc.join()
-    if "error" in result:
-        raise RuntimeError(f"{side} side failed (exit code {proc.exitcode}):\n{result['error']}")
-    return result
+    result = common.run_in_child(measure_side, (side, s, device), f"moe-bench-{side}")
+    return common.raise_for_error(result, f"the {side} side")
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -349,19 +309,16 @@ def runs_params(runs: list[dict[str, Any]], side: str) -> dict[str, Any]:
 def print_report(summary: dict[str, Any], console: Console) -> None:
     """The table of the three sides, then the parameter counts, the ratios and the checks."""
     s = Settings(**summary["settings"])
-    table = Table(
-        title=(
-            f"MoE ({s.n_routed_experts} experts, top-{s.top_k}, {s.n_shared_experts} shared, width "
-            f"{s.moe_intermediate_size}) vs dense (MLP {s.dense_intermediate_size}): d{s.hidden_size} "
-            f"x{s.num_hidden_layers}, {s.num_attention_heads} heads, {s.rows} rows of {s.seq_len} per step, "
-            f"{s.dtype}, {summary['device']}, {summary['runs'][0]['threads']} threads, median of {s.repeats} x "
-            f"{s.steps} steps after {s.warmup}"
-        )
+    title = (
+        f"MoE ({s.n_routed_experts} experts, top-{s.top_k}, {s.n_shared_experts} shared, width "
+        f"{s.moe_intermediate_size}) vs dense (MLP {s.dense_intermediate_size}): d{s.hidden_size} "
+        f"x{s.num_hidden_layers}, {s.num_attention_heads} heads, {s.rows} rows of {s.seq_len} per step, "
+        f"{s.dtype}, {summary['device']}, {summary['runs'][0]['threads']} threads, median of {s.repeats} x "
+        f"{s.steps} steps after {s.warmup}"
     )
     columns = ("side", "params", "active matmul", "median step s", "of it AdamW s", "tokens/s", "vs dense",
                "foreign cores")  # fmt: skip
-    for column in columns:
-        table.add_column(column, justify="left" if column == "side" else "right")
+    table = common.result_table(title, columns)
     params = summary["params"]
     for side in SIDES:
         f = summary["sides"][side]
@@ -402,20 +359,9 @@ def print_report(summary: dict[str, Any], console: Console) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags; unset ones take the defaults of the chosen device and size."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    presets = {"default": Settings(), "cuda": CUDA, "smoke": SMOKE}
+    p = common.benchmark_parser(__doc__, presets, "tiny models, one short run per side", quiet_wait="before each run")
     p.add_argument("--device", default="cpu", help="cpu (default: fp32) or cuda (bf16, a bigger model)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 6; cuda 10; smoke 2)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; cuda 3; smoke 1)")
-    p.add_argument("--repeats", type=int, default=None, help="runs per side, order reversed each time (default 3)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads on the CPU (default 2)")
-    p.add_argument(
-        "--quiet-wait",
-        type=float,
-        default=None,
-        help="before each run, wait up to this many seconds for idle CPUs (default 60; smoke 0: don't wait)",
-    )
-    p.add_argument("--smoke", action="store_true", help="tiny models, one short run per side")
-    p.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
     return p.parse_args(argv)
 
 
@@ -432,23 +378,16 @@ def main(argv: list[str] | None = None) -> int:
     base = SMOKE if args.smoke else CUDA if device.type == "cuda" else Settings()
     if args.smoke and device.type == "cuda":
         base = replace(base, dtype="bfloat16")
-    s = replace(
-        base,
-        steps=args.steps if args.steps is not None else base.steps,
-        warmup=args.warmup if args.warmup is not None else base.warmup,
-        repeats=args.repeats if args.repeats is not None else base.repeats,
-        threads=args.threads if args.threads is not None else base.threads,
-    )
+    s = common.with_flags(base, args)
     if s.steps < 1 or s.warmup < 0 or s.repeats < 1 or s.threads < 1:
         print("moe.py: --steps, --repeats and --threads must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
-    quiet_wait = args.quiet_wait if args.quiet_wait is not None else (0.0 if args.smoke else 60.0)
-    console = Console(width=None if sys.stdout.isatty() else 140)  # no wrapping in logs and pipes
+    quiet_wait = common.quiet_wait_s(args)
+    console = common.make_console(140)
     runs: list[dict[str, Any]] = []
     for r in range(s.repeats):
-        # Reverse the order at each repeat, so drift in the machine's speed does not favour one side.
-        for side in SIDES if r % 2 == 0 else SIDES[::-1]:
-            quiet = wait_until_quiet(quiet_wait) if quiet_wait > 0 else None
+        for side in common.in_turn(SIDES, r):
+            quiet = settle(quiet_wait)
             result = run_side(side, s, str(device))
             result["busy_cores_before"] = quiet
             console.print(
@@ -460,9 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(result)
     summary = summarize(runs, s, str(device))
     print_report(summary, console)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    common.write_json(args.json, summary)
     return 0
 
 

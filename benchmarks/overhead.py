@@ -38,35 +38,30 @@ The script always exits 0 when both sides ran (it is a benchmark, not a test); P
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import multiprocessing as mp
-import os
 import resource
 import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from rich.console import Console
-from rich.table import Table
 
-from cpu_load import cpu_busy_s, own_cpu_s, wait_until_quiet
-from lmforge.config import FakeDataConfig, TrainConfig
+import common
+from cpu_load import settle
+from lmforge.config import TrainConfig
 from lmforge.config.checks import check_config
 from lmforge.data.batch import MicroBatch
 from lmforge.data.fake import FakeData
-from lmforge.model import LlamaArch, build_model
+from lmforge.model import build_model
 from lmforge.model.init import init_weights
-from lmforge.train.parallel import init_distributed, shutdown_distributed
-from lmforge.train.setup import padded_vocab_size, prepare_output_dir
+from lmforge.parallel import init_distributed, shutdown_distributed
+from lmforge.runtime.model_setup import padded_vocab_size
+from lmforge.runtime.run_dir import prepare_output_dir
 from lmforge.train.trainer import Trainer
 
 THROUGHPUT_TARGET = 0.95
@@ -84,92 +79,25 @@ MEMORY_PASS_STEPS = (1, 2)
 
 
 @dataclass(frozen=True)
-class Settings:
-    """Everything both sides share: model, data geometry, optimizer and the measurement protocol."""
+class Settings(common.TrainSettings):
+    """Everything both sides share: the model, data and step counts of `TrainSettings`, AdamW's remaining
+    hyper-parameters and gradient clipping (the plain loop sets them explicitly), the repeats and the threads."""
 
-    hidden_size: int = 256
-    intermediate_size: int = 688
-    num_hidden_layers: int = 6
-    num_attention_heads: int = 4
-    seq_len: int = 512
-    batch_tokens: int = 4096
-    micro_batch_tokens: int = 1024
-    vocab_size: int = 512
-    mean_doc_len: float = 256.0
-    data_seed: int = 0
-    init_std: float = 0.02
-    init_seed: int = 0
-    lr: float = 1e-3
-    weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     max_norm: float = 1.0
-    warmup: int = 2
-    steps: int = 10
+    repeats: int = 2
+    """Runs per side, in alternating order; the best counts."""
     threads: int = 2
 
-    def arch(self) -> LlamaArch:
-        """The Llama both sides build."""
-        return LlamaArch(
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            max_position_embeddings=self.seq_len,
-        )
-
-    def data(self) -> FakeDataConfig:
-        """The fake-data config both sides draw their windows from."""
-        return FakeDataConfig(
-            seq_len=self.seq_len,
-            batch_tokens=self.batch_tokens,
-            micro_batch_tokens=self.micro_batch_tokens,
-            vocab_size=self.vocab_size,
-            mean_doc_len=self.mean_doc_len,
-            pattern="uniform",
-            document_masking=True,
-            seed=self.data_seed,
-        )
-
-    def train_config(self, output_dir: str) -> TrainConfig:
-        """The lmforge config of the same run: constant lr (no warmup/decay), as the plain loop has no schedule."""
-        return TrainConfig.model_validate(
-            {
-                "max_steps": self.warmup + self.steps,
-                "output_dir": output_dir,
-                "model": {
-                    "arch": self.arch().model_dump(),
-                    "init": {"std": self.init_std, "seed": self.init_seed},
-                    "attn": "sdpa",
-                    "param_dtype": "float32",
-                },
-                "data": self.data().model_dump(),
-                "optim": {
-                    "type": "adamw",
-                    "lr": self.lr,
-                    "weight_decay": self.weight_decay,
-                    "beta1": self.beta1,
-                    "beta2": self.beta2,
-                    "eps": self.eps,
-                    "max_norm": self.max_norm,
-                },
-                "schedule": {"warmup": 0.0, "decay": 0.0},
-            }
-        )
+    def run_config(self, output_dir: str) -> TrainConfig:
+        """The lmforge config of the same run, fp32 with the same attention and AdamW settings as the plain loop."""
+        optim = {"beta1": self.beta1, "beta2": self.beta2, "eps": self.eps, "max_norm": self.max_norm}
+        return self.train_config(output_dir, model={"attn": "sdpa", "param_dtype": "float32"}, optim=optim)
 
 
-SMOKE = Settings(
-    hidden_size=64,
-    intermediate_size=176,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    seq_len=128,
-    batch_tokens=1024,
-    micro_batch_tokens=256,
-    warmup=1,
-    steps=2,
-)
+SMOKE = common.tiny(Settings, seq_len=128, batch_tokens=1024, micro_batch_tokens=256, mean_doc_len=256.0)
 """A model and batch small enough that a test can run the whole script in seconds."""
 
 
@@ -220,41 +148,12 @@ def peak_rss_mib() -> float:
 # ---------------------------------------------------------------------------------------------- the two sides
 
 
-@dataclass
-class Timing:
-    """What the timed steps of one side measured."""
-
-    losses: list[float]
-    """Loss of every step, warmup included."""
-    seconds: list[float]
-    """Wall time of each timed step."""
-    foreign_cores: float
-    """Mean number of cores other processes kept busy during the timed steps: with torch's thread pool sized to
-    the machine, any foreign load stalls its barriers and can slow a step many times over, so a run with foreign
-    load is not a measurement of lmforge."""
-
-
-def _timed_steps(settings: Settings, step: Callable[[], float]) -> Timing:
-    """Run warmup + timed steps of `step() -> loss`."""
-    losses, seconds = [], []
-    busy0 = own0 = 0.0
-    for i in range(settings.warmup + settings.steps):
-        if i == settings.warmup:
-            busy0, own0 = cpu_busy_s(), own_cpu_s()
-        t0 = time.perf_counter()
-        losses.append(step())
-        if i >= settings.warmup:
-            seconds.append(time.perf_counter() - t0)
-    foreign = (cpu_busy_s() - busy0 - (own_cpu_s() - own0)) / sum(seconds)
-    return Timing(losses, seconds, max(foreign, 0.0))
-
-
-def run_lmforge(settings: Settings) -> Timing:
+def run_lmforge(settings: Settings) -> common.Steps[float]:
     """lmforge's loop: a Trainer in a process group of one, stepped with its own data stream and `train_step`."""
     ctx = init_distributed()
     try:
         with tempfile.TemporaryDirectory(prefix="lmforge-overhead-") as tmp:
-            config = settings.train_config(str(Path(tmp) / "run"))
+            config = settings.run_config(str(Path(tmp) / "run"))
             check_config(config, ctx.world_size)
             prepare_output_dir(config, overwrite=False)
             trainer = Trainer(config, ctx, console=False)
@@ -266,16 +165,16 @@ def run_lmforge(settings: Settings) -> Timing:
                 return trainer.train_step(micro_batches, time.perf_counter() - t0)["loss/mean"]
 
             try:
-                return _timed_steps(settings, step)
+                return common.timed_steps(settings.warmup, settings.steps, lambda _: step())
             finally:
                 trainer.close()
     finally:
         shutdown_distributed()
 
 
-def run_plain(settings: Settings) -> Timing:
+def run_plain(settings: Settings) -> common.Steps[float]:
     """The loop a researcher writes by hand: no process group, no FSDP, no statistics beyond the loss."""
-    model = build_model(settings.arch(), padded_vocab_size(settings.vocab_size), "sdpa", torch.device("cpu"))
+    model = build_model(settings.llama_arch(), padded_vocab_size(settings.vocab_size), "sdpa", torch.device("cpu"))
     init_weights(model, settings.init_std, settings.init_seed)
     # nanoGPT-style groups: matrices and embeddings decay, norm scales do not (lmforge's roles decide the same).
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -287,7 +186,7 @@ def run_plain(settings: Settings) -> Timing:
         eps=settings.eps,
         foreach=True,
     )
-    data = FakeData(settings.data(), rank=0, world_size=1)
+    data = FakeData(settings.fake_data(), rank=0, world_size=1)
 
     def forward_backward(mb: MicroBatch, n_tokens: int) -> torch.Tensor:
         logits = model(mb["input_ids"], mb["position_ids"], mb["seq_lens"])
@@ -304,65 +203,38 @@ def run_plain(settings: Settings) -> Timing:
         optimizer.zero_grad(set_to_none=True)
         return float(loss_sum) / n_tokens
 
-    return _timed_steps(settings, step)
+    return common.timed_steps(settings.warmup, settings.steps, lambda _: step())
 
 
-def child_main(side: str, settings: Settings, conn: Connection) -> None:
-    """Entry point of a spawned child: run one side and send back its figures (or the traceback)."""
-    try:
-        torch.set_num_threads(settings.threads)
-        baseline = current_rss_mib()
-        reset = reset_peak_rss()
-        t0 = time.perf_counter()
-        timing = (run_lmforge if side == "lmforge" else run_plain)(settings)
-        peak = peak_rss_mib()
-        seconds = timing.seconds
-        conn.send(
-            {
-                "side": side,
-                "tokens_per_s": settings.steps * settings.batch_tokens / sum(seconds),
-                "step_s_median": sorted(seconds)[len(seconds) // 2],
-                "peak_rss_mib": peak,
-                "baseline_rss_mib": baseline,
-                # Without a reset, the peak includes the imports; the growth is then only an upper bound.
-                "peak_mib": peak - baseline,
-                "peak_reset": reset,
-                "losses": timing.losses,
-                "foreign_cores": timing.foreign_cores,
-                "wall_s": time.perf_counter() - t0,
-                "threads": torch.get_num_threads(),
-            }
-        )
-    except BaseException:
-        conn.send({"side": side, "error": traceback.format_exc()})
-    finally:
-        conn.close()
+def measure_side(side: str, settings: Settings) -> dict[str, Any]:
+    """Run one side in this (spawned) process and return its figures."""
+    torch.set_num_threads(settings.threads)
+    baseline = current_rss_mib()
+    reset = reset_peak_rss()
+    t0 = time.perf_counter()
+    timing = (run_lmforge if side == "lmforge" else run_plain)(settings)
+    peak = peak_rss_mib()
+    seconds = timing.seconds
+    return {
+        "side": side,
+        "tokens_per_s": settings.steps * settings.batch_tokens / sum(seconds),
+        "step_s_median": sorted(seconds)[len(seconds) // 2],
+        "peak_rss_mib": peak,
+        "baseline_rss_mib": baseline,
+        # Without a reset, the peak includes the imports; the growth is then only an upper bound.
+        "peak_mib": peak - baseline,
+        "peak_reset": reset,
+        "losses": timing.results,
+        "foreign_cores": timing.foreign_cores,
+        "wall_s": time.perf_counter() - t0,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def run_side(side: str, settings: Settings, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one side in a fresh spawned process (with `env` added to its environment) and return its figures."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=child_main, args=(side, settings, child), name=f"overhead-{side}")
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})  # the spawned interpreter inherits the environment at start
-    try:
-        proc.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    child.close()
-    try:
-        result = parent.recv()
-    except EOFError:
-        result = {"side": side, "error": "child exited without a result"}
-    proc.join()
-    if "error" in result:
-        raise RuntimeError(f"{side} side failed (exit code {proc.exitcode}):\n{result['error']}")
-    return result
+    result = common.run_in_child(measure_side, (side, settings), f"overhead-{side}", env)
+    return common.raise_for_error(result, f"the {side} side")
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -411,34 +283,25 @@ def print_report(summary: dict[str, Any], console: Console) -> None:
     s = Settings(**summary["settings"])
     best = summary["best"]
     live = summary["memory_runs"] != []
-    table = Table(
-        title=(
-            f"lmforge vs plain PyTorch: Llama d{s.hidden_size} x{s.num_hidden_layers}, seq {s.seq_len}, "
-            f"{s.batch_tokens} tokens/step in {s.batch_tokens // s.micro_batch_tokens} micro-batches, fp32, "
-            f"{s.threads} threads, {s.steps} timed steps after {s.warmup}"
-        )
+    title = (
+        f"lmforge vs plain PyTorch: Llama d{s.hidden_size} x{s.num_hidden_layers}, seq {s.seq_len}, "
+        f"{s.batch_tokens} tokens/step in {s.batch_tokens // s.micro_batch_tokens} micro-batches, fp32, "
+        f"{s.threads} threads, {s.steps} timed steps after {s.warmup}"
     )
-    table.add_column("side")
-    table.add_column("tokens/s", justify="right")
-    table.add_column("peak memory MiB\n(RSS growth)", justify="right")
-    if live:
-        table.add_column("live peak MiB\n(RSS, freed returned)", justify="right")
-    table.add_column("process peak\nRSS MiB", justify="right")
+    live_column = ["live peak MiB\n(RSS, freed returned)"] if live else []
+    columns = ["side", "tokens/s", "peak memory MiB\n(RSS growth)", *live_column, "process peak\nRSS MiB"]
+    table = common.result_table(title, columns)
     for side in SIDES:
         b = best[side]
         cells = [f"{b['tokens_per_s']:,.0f}", f"{b['peak_mib']:,.1f}"]
         cells += [f"{b['live_peak_mib']:,.1f}"] if live else []
         table.add_row(side, *cells, f"{b['peak_rss_mib']:,.1f}")
-
-    def verdict(ok: bool) -> str:
-        return "[green]PASS[/]" if ok else "[red]MISS[/]"
-
     table.add_section()
     cells = [
-        f"{summary['throughput_ratio']:.3f}x {verdict(summary['throughput_pass'])}",
-        f"{summary['memory_ratio']:.3f}x {verdict(summary['memory_pass'])}",
+        f"{summary['throughput_ratio']:.3f}x {common.verdict(summary['throughput_pass'])}",
+        f"{summary['memory_ratio']:.3f}x {common.verdict(summary['memory_pass'])}",
     ]
-    cells += [f"{summary['live_memory_ratio']:.3f}x {verdict(summary['live_memory_pass'])}"] if live else []
+    cells += [f"{summary['live_memory_ratio']:.3f}x {common.verdict(summary['live_memory_pass'])}"] if live else []
     table.add_row("lmforge / plain", *cells, "")
     targets = [f">= {THROUGHPUT_TARGET:.2f}x", f"<= {MEMORY_TARGET:.2f}x"] + (
         [f"<= {MEMORY_TARGET:.2f}x"] if live else []
@@ -472,55 +335,33 @@ def print_report(summary: dict[str, Any], console: Console) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags; unset step counts take the defaults of the chosen size."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=None, help="timed optimizer steps per run (default 10; smoke 2)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; smoke 1)")
-    p.add_argument("--repeats", type=int, default=None, help="runs per side, alternating order (default 2; smoke 1)")
-    p.add_argument(
-        "--threads", type=int, default=os.cpu_count() or 1, help="torch threads on both sides (default: all cores)"
-    )
-    p.add_argument("--smoke", action="store_true", help="tiny model and 2 steps: checks the script runs (~20 s)")
-    p.add_argument(
-        "--quiet-wait",
-        type=float,
-        default=None,
-        help="before each run, wait up to this many seconds for other processes to leave the CPUs\n"
-        "(default 60; smoke 0: don't wait)",
-    )
+    smoke = "tiny model and 2 steps: checks the script runs (~20 s)"
+    presets = {"default": Settings(), "smoke": SMOKE}
+    p = common.benchmark_parser(__doc__, presets, smoke, quiet_wait="before each run", all_cores=True)
     p.add_argument(
         "--no-live-memory",
         action="store_true",
         help=f"skip the extra runs (one per side) that measure the live peak with {MMAP_ENV}",
     )
-    p.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run both sides, print the table, optionally write the JSON; 0 unless a side failed to run."""
     args = parse_args(argv)
-    base = SMOKE if args.smoke else Settings()
-    settings = replace(
-        base,
-        steps=args.steps if args.steps is not None else base.steps,
-        warmup=args.warmup if args.warmup is not None else base.warmup,
-        threads=args.threads,
-    )
-    repeats = args.repeats if args.repeats is not None else (1 if args.smoke else 2)
-    quiet_wait = args.quiet_wait if args.quiet_wait is not None else (0.0 if args.smoke else 60.0)
-    if settings.steps < 1 or settings.warmup < 0 or repeats < 1 or settings.threads < 1:
+    settings = common.with_flags(SMOKE if args.smoke else Settings(), args)
+    quiet_wait = common.quiet_wait_s(args)
+    if settings.steps < 1 or settings.warmup < 0 or settings.repeats < 1 or settings.threads < 1:
         print("overhead.py: --steps, --repeats and --threads must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
-    console = Console(width=None if sys.stdout.isatty() else 120)  # no wrapping in logs and pipes
+    console = common.make_console()
     runs: list[dict[str, Any]] = []
-    for r in range(repeats):
-        # Alternate which side goes first, so drift in the machine's speed does not favour one side.
-        for side in SIDES if r % 2 == 0 else SIDES[::-1]:
-            if quiet_wait > 0:
-                wait_until_quiet(quiet_wait)
+    for r in range(settings.repeats):
+        for side in common.in_turn(SIDES, r):
+            settle(quiet_wait)
             result = run_side(side, settings)
             console.print(
-                f"run {r + 1}/{repeats} {side:>7}: {result['tokens_per_s']:,.0f} tokens/s, "
+                f"run {r + 1}/{settings.repeats} {side:>7}: {result['tokens_per_s']:,.0f} tokens/s, "
                 f"peak +{result['peak_mib']:,.1f} MiB, other processes {result['foreign_cores']:.2f} cores "
                 f"({result['wall_s']:.1f} s)",
                 highlight=False,
@@ -535,9 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             memory_runs.append(result)
     summary = summarize(runs, memory_runs, settings)
     print_report(summary, console)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n", encoding="utf-8")
+    common.write_json(args.json, summary)
     if not math.isfinite(summary["max_loss_diff"]):
         console.print("[yellow]a loss was not finite[/]")
     return 0

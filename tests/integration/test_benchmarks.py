@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,29 @@ def test_moe_benchmark_smoke(tmp_path: Path) -> None:
     assert params["moe"]["total"] > params["dense"]["total"]
     # the same weights and tokens through the grouped matmuls and the per-expert loop give the same loss
     assert figures["first_loss_diff_grouped_loop"] < 1e-4
+
+
+def test_a_failed_child_comes_back_as_an_error() -> None:
+    """`run_in_child` answers for a child that raised, died or ran too long, instead of waiting on it forever."""
+    # Run in a fresh interpreter: `benchmarks/` goes on its path there, not on the test session's.
+    script = textwrap.dedent(
+        f"""
+        import json, os, sys, time
+        sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+        import common
+        results = {{
+            "ok": common.run_in_child(dict, (), "ok"),
+            "raised": common.run_in_child(int, ("x",), "raised"),
+            "died": common.run_in_child(os._exit, (3,), "died"),
+            "slow": common.run_in_child(time.sleep, (30,), "slow", timeout=1),
+        }}
+        print(json.dumps(results))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = json.loads(result.stdout.splitlines()[-1])
+    assert results["ok"] == {}  # an empty result is a result, not a failure
+    assert results["raised"]["error"].startswith("ValueError") and "traceback" in results["raised"]
+    assert results["died"]["error"] == "the process exited with code 3 without a result"
+    assert results["slow"]["error"] == "timed out after 1 s"
