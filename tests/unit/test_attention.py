@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmforge.model.attention import DocumentMask, backend_available, get_attention, resolve_backend
+from lmforge.model.attention import (
+    CPU_MASK_AREA_PER_SEGMENT,
+    DocumentMask,
+    backend_available,
+    choose_backend,
+    get_attention,
+    resolve_backend,
+)
 
 SEQ_LENS = [5, 17, 1, 30, 11]
 
@@ -54,9 +61,18 @@ def _check(name: str, device: str, dtype: torch.dtype, atol: float, backward: bo
         torch.testing.assert_close(a, b, atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["sdpa", "sdpa_loop"])
+@pytest.mark.parametrize("name", ["sdpa", "sdpa_loop", "auto"])
 def test_cpu_backends_forward_and_backward(name: str) -> None:
     _check(name, "cpu", torch.float32, atol=1e-5, backward=True)
+
+
+def test_auto_is_exact_past_the_switch_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    # With more segments than the switch point, auto runs the masked kernel: still packed == per segment.
+    lens = [3, 1, 7, 2, 5] * 4
+    assert len(lens) * CPU_MASK_AREA_PER_SEGMENT > sum(lens) ** 2
+    assert choose_backend(lens, torch.device("cpu")) == "sdpa"
+    monkeypatch.setattr(f"{__name__}.SEQ_LENS", lens)
+    _check("auto", "cpu", torch.float32, atol=1e-5, backward=True)
 
 
 def test_flex_forward_on_cpu() -> None:
@@ -65,7 +81,7 @@ def test_flex_forward_on_cpu() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["flash", "varlen", "flex", "sdpa", "sdpa_loop"])
+@pytest.mark.parametrize("name", ["flash", "varlen", "flex", "sdpa", "sdpa_loop", "auto"])
 def test_cuda_backends_bf16(name: str) -> None:
     if not backend_available(name, torch.device("cuda")):
         pytest.skip(f"{name} not available here")
@@ -73,7 +89,9 @@ def test_cuda_backends_bf16(name: str) -> None:
 
 
 def test_auto_resolves_to_a_backend_that_trains_on_cpu() -> None:
-    assert resolve_backend("auto", torch.device("cpu")) == "sdpa"
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu) == "auto"  # chosen per row
+    assert resolve_backend("auto", cpu, compiled=True) == "auto"  # runs eagerly between compiled graphs
     with pytest.raises(ValueError, match="cannot train on cpu"):
         resolve_backend("flex", torch.device("cpu"))
     with pytest.raises(ValueError, match="unknown attention backend"):
@@ -91,3 +109,17 @@ def test_segments_do_not_see_each_other() -> None:
     after = get_attention("sdpa")(q, k2, v2, mask)
     torch.testing.assert_close(after[3:], before[3:])
     assert not torch.allclose(after[:3], before[:3])
+
+
+def test_auto_picks_per_segment_sdpa_for_few_segments_on_cpu() -> None:
+    cpu = torch.device("cpu")
+    assert choose_backend([512], cpu) == "sdpa_loop"
+    assert choose_backend([16] * 16, cpu) == "sdpa_loop"  # T = 256: 16 segments is the switch point
+    assert choose_backend([15] * 17 + [1], cpu) == "sdpa"
+    assert choose_backend([4] * 256, cpu) == "sdpa_loop"  # T = 1024 takes up to 256
+    assert choose_backend([2] * 512, cpu) == "sdpa"
+    # The choice is made once per row and shared by every layer of the forward pass.
+    q, k, v = _qkv(512, 4, 2, 16, torch.float32, "cpu", grad=False)
+    mask = DocumentMask.from_seq_lens(torch.tensor([512]), q.device)
+    get_attention("auto")(q, k, v, mask)
+    assert mask.cache == {"auto": "sdpa_loop"}  # no dense [T, T] mask was built

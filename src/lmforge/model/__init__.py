@@ -12,8 +12,11 @@ from lmforge.model.llama import CausalLM
 __all__ = ["AnyArch", "ArchConfig", "CausalLM", "Glm4MoeArch", "LlamaArch", "Qwen3Arch", "Qwen3MoeArch", "build_model"]
 
 
-def build_model(arch: AnyArch, vocab_size: int, attn: str, device: torch.device, *, meta: bool = False) -> CausalLM:
-    """Build the model of `arch` for `device` (which picks the attention backend when `attn` is `auto`).
+def build_model(
+    arch: AnyArch, vocab_size: int, attn: str, device: torch.device, *, meta: bool = False, compiled: bool = False
+) -> CausalLM:
+    """Build the model of `arch` for `device`, which with `compiled` (blocks to be compiled) decides what the
+    attention backend `auto` resolves to (`lmforge.model.attention.resolve_backend`).
 
     Parameters are fp32 and uninitialized: `init_weights`, a checkpoint or an HF folder fills them. With `meta`
     they have no storage yet (the trainer shards the model first, then allocates each rank's shards); otherwise
@@ -21,7 +24,7 @@ def build_model(arch: AnyArch, vocab_size: int, attn: str, device: torch.device,
     `to_empty` of a meta model, `init_weights` and `load_hf_weights` set the buffers; a DCP load sets the
     selection bias but not the statistics (`CausalLM.reset_moe_stats`).
     """
-    backend = resolve_backend(attn, device)
+    backend = resolve_backend(attn, device, compiled)
     with torch.device("meta"):
         model = CausalLM(arch, vocab_size, backend)
     if not meta:

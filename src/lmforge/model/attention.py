@@ -8,9 +8,12 @@ micro-batch's `seq_lens`, and the same `[T, heads, head_dim]` tensors:
 - `varlen`: PyTorch's `torch.nn.attention.varlen.varlen_attn` (CUDA);
 - `flex`: PyTorch flex attention with a document block mask (compiled on CUDA; on CPU it has no backward);
 - `sdpa`: scaled-dot-product attention with an explicit block-diagonal causal mask (runs anywhere);
-- `sdpa_loop`: one causal SDPA call per segment (runs anywhere; fast for few, short segments).
+- `sdpa_loop`: one causal SDPA call per segment (runs anywhere; the fused causal kernel, fast for few segments).
 
-Plain causal SDPA over the whole row would let a segment see the one before it, so it is not offered.
+`auto` picks, for each micro-batch, the fastest of these that is exact for its layout and can train on the device
+(`choose_backend`): the choice reads only the row's segment lengths, which are on the host, so it costs no device
+synchronization. Plain causal SDPA over the whole row would let a segment see the one before it, so it is only
+used per segment.
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ from torch import Tensor
 
 BACKENDS = ("flash", "varlen", "flex", "sdpa", "sdpa_loop")
 """Names accepted by `model.attn`, besides `auto`."""
+
+CPU_MASK_AREA_PER_SEGMENT = 4096
+"""On the CPU, `auto` runs a row of T tokens in S segments as one causal SDPA per segment while S x this <= T x T,
+and as one SDPA with the block-diagonal mask above. The masked kernel costs about T x T; the loop about a fixed
+overhead per call on top of its (smaller) work. Measured with `benchmarks/attention_switch.py` (docs/benchmarks.md):
+the loop stops being faster at 16 segments of 16 tokens for T = 256, 64 for T = 512 and ~330 for T = 1024."""
 
 
 @dataclass
@@ -102,6 +111,9 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tenso
     return _from_bhtd(out)
 
 
+# Compiled blocks run the per-row choice and the per-segment loop eagerly, between two compiled graphs: traced,
+# the loop over a row's segments would make every new layout recompile (tests/unit/test_compile.py).
+@torch.compiler.disable
 def sdpa_loop_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
     """One causal SDPA call per segment."""
     gqa = q.shape[1] != k.shape[1]
@@ -186,18 +198,58 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tens
     return flash_attn_varlen_func(q, k, v, cu, cu, mask.max_seqlen, mask.max_seqlen, causal=True)
 
 
+def choose_backend(seq_lens: list[int], device: torch.device) -> str:
+    """The backend `auto` runs for a row with these segment lengths on a device without a varlen kernel (with
+    one, `resolve_backend` picks it for every row)."""
+    if device.type == "cuda":
+        # One segment is the fused causal SDPA kernel; several are flex attention's block-sparse kernel.
+        return "sdpa_loop" if len(seq_lens) == 1 else "flex"
+    total = sum(seq_lens)
+    return "sdpa_loop" if len(seq_lens) * CPU_MASK_AREA_PER_SEGMENT <= total * total else "sdpa"
+
+
+def describe_backend(name: str, device: torch.device) -> str:
+    """What a resolved backend runs on `device`, and why (logged once at startup)."""
+    reasons = {
+        "flash": "flash-attn's varlen kernel takes every segment layout in one call",
+        "varlen": "PyTorch's varlen kernel takes every segment layout in one call (flash-attn is not installed)",
+        "flex": "flex attention with a document block mask (no varlen kernel here)",
+        "sdpa": "SDPA with a block-diagonal mask",
+        "sdpa_loop": "one causal SDPA per segment",
+    }
+    if name != "auto":
+        return f"{name}: {reasons[name]}"
+    if device.type == "cuda":
+        return "auto: causal SDPA for one-segment rows, flex attention for the others (no varlen kernel here)"
+    return (
+        "auto: one causal SDPA per segment (the fused kernel), or SDPA with a block-diagonal mask for rows of T "
+        f"tokens in more than T x T / {CPU_MASK_AREA_PER_SEGMENT} segments, where that was measured faster"
+    )
+
+
+@torch.compiler.disable
+def auto_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
+    """The backend `choose_backend` picks for this row (decided once per forward, shared by every layer)."""
+    name = mask.cache.get("auto")
+    if name is None:
+        name = choose_backend(mask.seq_lens, q.device)
+        mask.cache["auto"] = name
+    return _FUNCTIONS[name](q, k, v, mask)  # type: ignore[index]
+
+
 _FUNCTIONS: dict[str, AttentionFn] = {
     "flash": flash_attention,
     "varlen": varlen_attention,
     "flex": flex_attention_fn,
     "sdpa": sdpa_attention,
     "sdpa_loop": sdpa_loop_attention,
+    "auto": auto_attention,
 }
 
 
 def backend_available(name: str, device: torch.device) -> bool:
     """Whether backend `name` can run forward and backward on `device`."""
-    if name in ("sdpa", "sdpa_loop"):
+    if name in ("sdpa", "sdpa_loop", "auto"):
         return True
     if device.type != "cuda":
         return False
@@ -208,11 +260,15 @@ def backend_available(name: str, device: torch.device) -> bool:
     return name == "flex"
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """Turn `auto` into the fastest backend available on `device`, and check that a named one can run there."""
+def resolve_backend(name: str, device: torch.device, compiled: bool = False) -> str:
+    """Check that backend `name` can train on `device`, and resolve `auto`: a varlen kernel when the device has
+    one (it takes every layout), else `auto` itself, which chooses per row (`choose_backend`). On CUDA, compiled
+    blocks without a varlen kernel get `flex`, which compiles into the block's graph."""
     if name == "auto":
-        order = ("flash", "varlen", "flex") if device.type == "cuda" else ("sdpa",)
-        return next(b for b in (*order, "sdpa") if backend_available(b, device))
+        varlen = [b for b in ("flash", "varlen") if backend_available(b, device)]
+        if varlen:
+            return varlen[0]
+        return "flex" if compiled and device.type == "cuda" else "auto"
     if name not in _FUNCTIONS:
         raise ValueError(f"unknown attention backend {name!r}; expected auto or one of {', '.join(BACKENDS)}")
     if not backend_available(name, device):

@@ -46,7 +46,8 @@ def build_run_model(config: TrainConfig, tokenizer: TokenizerInfo | None, ctx: D
     uninitialized storage: the caller fills the weights (init, checkpoint or HF folder)."""
     arch = config.model.arch
     assert arch is not None, "model.arch is filled in from model.name when the config is loaded"
-    model = build_model(arch, model_vocab_size(config, tokenizer), config.model.attn, ctx.device, meta=True)
+    vocab = model_vocab_size(config, tokenizer)
+    model = build_model(arch, vocab, config.model.attn, ctx.device, meta=True, compiled=config.model.compile)
     model.loss_chunk_tokens = config.model.loss_chunk_tokens
     parallelize(model, model.blocks, config.model, ctx)  # in place: the sharded model is the same object
     return model

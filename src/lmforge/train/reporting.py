@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lmforge.config.train import TrainConfig
+from lmforge.model.attention import describe_backend
 from lmforge.monitor import ConsoleMonitor, JsonlMonitor, Monitors
 from lmforge.monitor.console import format_line
 from lmforge.runtime.checkpoint import CHECKPOINTS
@@ -52,10 +53,11 @@ class Reporting(Callback):
         self.max_steps = config.max_steps
 
     def on_train_start(self, trainer: Trainer) -> None:
-        """A fresh run logs step 0: the parameter counts and the data's own figures; the data's startup line is
-        shown on the console and kept in the log."""
+        """A fresh run logs step 0: the parameter counts and the data's own figures; the attention backend and the
+        data's startup line are shown on the console (the log files have them too)."""
         if trainer.step == 0:
             trainer.monitors.log(0, {**trainer.params, **trainer.data_summary.metrics})
+        self._print(trainer, f"attention {describe_backend(trainer.model.attn_backend, trainer.ctx.device)}")
         for line in trainer.data_summary.lines:
             trainer.log.info(line)
             self._print(trainer, line)

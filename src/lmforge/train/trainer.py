@@ -23,6 +23,7 @@ from lmforge.data.batch import MicroBatch
 from lmforge.data.prefetch import Prefetcher
 from lmforge.data.stream import DataSummary, open_stream, summarize
 from lmforge.eval.validation import Validator
+from lmforge.model.attention import describe_backend
 from lmforge.model.completep import role_scales
 from lmforge.model.init import init_weights
 from lmforge.model.llama import CausalLM
@@ -123,7 +124,8 @@ class Trainer:
         self.log.info(
             "rank %d of %d on %s: %s, %s parameters, attention %s, %s",
             ctx.rank, ctx.world_size, ctx.device, arch.model_type, f"{self.params['params/total']:,.0f}",
-            self.model.attn_backend, f"resumed from {resume_from}" if resume_from else "from scratch",
+            describe_backend(self.model.attn_backend, ctx.device),
+            f"resumed from {resume_from}" if resume_from else "from scratch",
         )  # fmt: skip
         if config.val.sets or config.val.data:
             validator = Validator(config.val, config.data, self.tokenizer, ctx.rank, ctx.world_size)
