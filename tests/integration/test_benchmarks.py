@@ -52,6 +52,17 @@ def test_peers_smoke_runs_lmforge_and_the_plain_loop(tmp_path: Path) -> None:
     assert "lmforge" in result.stdout and "plain eager" in result.stdout and "skipped" in result.stdout
 
 
+def test_attention_switch_smoke_reports_both_backends(tmp_path: Path) -> None:
+    out = tmp_path / "switch.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "attention_switch.py"), "--smoke", "--json", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["tokens"], r["segments"]) for r in rows] == [(256, 1), (256, 4), (256, 32)]
+    assert all(r["loop_ms"] > 0 and r["dense_ms"] > 0 for r in rows)
+    assert "per-segment" in result.stdout and "masked" in result.stdout
+
+
 def test_data_benchmark_smoke(tmp_path: Path) -> None:
     out = tmp_path / "data.json"
     script = ROOT / "benchmarks" / "data.py"

@@ -1,0 +1,632 @@
+"""lmforge against the trainers a user would pick instead: torchtitan, litgpt and a hand-written loop, on the CPU.
+
+Every side trains the same Llama (d256, 6 layers, 8 heads, 4 key/value heads, FFN 768, vocab 8192, untied head,
+RoPE theta 10000) on uniform random tokens without document masking: seq_len 512, 4096 tokens per optimizer step
+in one micro-batch per process (8 windows of 512 on one process, 4 per rank on two), fp32, AdamW (lr 1e-3, betas
+0.9/0.95, eps 1e-8, weight decay 0.1) at a constant learning rate (no warmup, no decay), gradients clipped at 1.0:
+
+- `lmforge`: the real command line, `python -m lmforge train @ run.toml` (under `torchrun --standalone` for 2
+  processes), with the default attention (`auto`) and no checkpoint; step times from its `metrics.jsonl`
+  (`perf/throughput`).
+- `plain eager` / `plain compiled`: `benchmarks/plain_loop.py` (one process): a hand-written loop, eager or with
+  `torch.compile` on the whole model; step times from its own clock.
+- `torchtitan` (0.3.0) and `litgpt` (0.5.13), each installed from PyPI into its own virtual environment under
+  `benchmarks/.peers/<name>/` with the torch of lmforge's environment, and launched by `benchmarks/peer_shims.py`
+  (which says what each needs to run on the CPU); step times from their own log lines. litgpt cannot run on
+  2 CPU processes (its pretraining uses Lightning's FSDP strategy for more than one device, which Lightning allows
+  only on GPUs), so that side is reported as skipped.
+
+Each side runs `--warmup` untimed steps and then `--steps` timed ones, in its own processes, one side after the
+other, after waiting (`--quiet-wait`) for the CPUs to go idle; all sides run `--repeats` times, the order reversed
+at every repeat. A run's tokens/s is its timed steps' tokens over the sum of their step times; a side's is its
+fastest run's. Its peak memory is the largest peak resident set of any of its processes (the kernel's `ru_maxrss`
+of the process tree: imports and compilers included), the lowest over its runs. Threads: `--threads` for one
+process, split between the ranks for two. A peer that cannot be installed or fails is reported as skipped or
+failed, with the reason, and the table is still printed.
+
+    .venv/bin/python benchmarks/peers.py [--peers torchtitan,litgpt] [--procs 1,2] [--steps N] [--warmup N]
+                                         [--repeats N] [--threads N] [--quiet-wait S] [--work-dir DIR] [--json PATH]
+    .venv/bin/python benchmarks/peers.py --smoke    # tiny model, 2 steps, lmforge and plain eager only (~20 s)
+
+The full run takes about 6 minutes on 2 idle cores (more when torch's compile cache is cold), plus about 3 minutes
+to install the peers the first time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import common
+from cpu_load import cpu_busy_s, settle
+from lmforge.config import TrainConfig
+from lmforge.config.loader import dump_toml
+
+HERE = Path(__file__).resolve().parent
+PEERS_DIR = HERE / ".peers"
+"""Where the peers' virtual environments live (git-ignored)."""
+SHIMS = HERE / "peer_shims.py"
+PLAIN_LOOP = HERE / "plain_loop.py"
+PEER_PACKAGES = {"torchtitan": ["torchtitan==0.3.0"], "litgpt": ["litgpt==0.5.13", "requests"]}
+"""What each peer's environment gets besides torch (litgpt imports `requests` without requiring it)."""
+UNSUPPORTED = {
+    ("litgpt", 2): "litgpt pretrain trains 2+ devices with Lightning's FSDP strategy, which is GPU-only "
+    "(ValueError: FSDP is only available on GPU)",
+}
+"""Sides that cannot run on this machine, and why (found by trying)."""
+SMOKE_SKIP = "--smoke does not install peers"
+SMOKE_NO_COMPILE = "skipped: --smoke does not compile (overhead.py --smoke runs the compiled loop)"
+INSTALL_TIMEOUT_S = 1800.0
+FOREIGN_LIMIT = 0.1
+"""Cores of foreign load above which a side's figure is flagged."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The model, the batch, the optimizer and the step counts every side shares."""
+
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    """torchtitan's SwiGLU width for d256: 8/3 x 256 rounded up to a multiple of 256."""
+    num_layers: int = 6
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    vocab_size: int = 8192
+    seq_len: int = 512
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    batch_tokens: int = 4096
+    """Tokens per optimizer step over all processes, one micro-batch per process."""
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    max_norm: float = 1.0
+    init_std: float = 0.02
+    seed: int = 0
+    warmup: int = 3
+    """Untimed steps first (compilation, allocator warm-up)."""
+    steps: int = 10
+    """Timed steps per side."""
+    repeats: int = 2
+    """Runs per side, in alternating order; the fastest counts."""
+    threads: int = 2
+    timeout_s: float = 900.0
+    """Longest a side may run, startup and compilation included."""
+
+    def rows(self, procs: int) -> int:
+        """Windows per process and step."""
+        return self.batch_tokens // self.seq_len // procs
+
+    def peer_spec(self, procs: int, out_dir: Path) -> dict[str, Any]:
+        """What `peer_shims.py` reads from `PEER_SPEC`."""
+        steps = self.warmup + self.steps
+        return {
+            **asdict(self),
+            "procs": procs,
+            "local_batch": self.rows(procs),
+            "steps": steps,
+            "out_dir": str(out_dir),
+        }
+
+
+SMOKE = Settings(
+    hidden_size=64,
+    intermediate_size=176,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    vocab_size=512,
+    seq_len=128,
+    batch_tokens=256,
+    warmup=1,
+    steps=2,
+    repeats=1,
+    timeout_s=240.0,
+)
+"""A tiny model: checks that the script runs, not a figure."""
+
+
+# ---------------------------------------------------------------------------------------------- running a side
+
+
+@dataclass
+class Run:
+    """What one side's run gave: its status, per-step throughput and the process tree's resources."""
+
+    side: str
+    procs: int
+    status: str = "ok"
+    """ok, skipped or failed."""
+    reason: str = ""
+    step_tokens_per_s: list[float] = field(default_factory=list)
+    """Every step's throughput, warmup included, over all processes."""
+    tokens_per_s: float = math.nan
+    peak_rss_mib: float = math.nan
+    """Largest peak resident set of any process of the run."""
+    wall_s: float = math.nan
+    foreign_cores: float = math.nan
+    """Mean cores other processes kept busy over the whole run."""
+    command: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Finished:
+    """A command's exit: its code (None: killed at the timeout), resources and log."""
+
+    returncode: int | None
+    wall_s: float
+    peak_rss_mib: float
+    cpu_s: float
+    busy_s: float
+    log: str
+
+
+def run_command(cmd: Sequence[str], env: dict[str, str], cwd: Path, log: Path, timeout_s: float) -> Finished:
+    """Run `cmd` in a session of its own, output to `log`; kill the whole session after `timeout_s`.
+
+    `wait4` gives the resources of the process and of every descendant it waited for (torchrun waits for its
+    workers): `ru_maxrss` is the largest peak resident set among them, the CPU times are their sum.
+    """
+    busy0, t0 = cpu_busy_s(), time.monotonic()
+    with log.open("w", encoding="utf-8") as out:
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = t0 + timeout_s
+    status, usage, returncode = 0, None, None
+    try:
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                returncode = os.waitstatus_to_exitcode(status)
+                break
+            if time.monotonic() > deadline:
+                _kill_session(proc.pid)
+                _, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.2)
+    except BaseException:
+        _kill_session(proc.pid)  # Ctrl-C: no orphaned trainers on the CPUs
+        raise
+    finally:
+        proc.returncode = returncode if returncode is not None else -1  # reaped here; Popen must not wait again
+    wall = time.monotonic() - t0
+    busy = cpu_busy_s() - busy0
+    assert usage is not None
+    cpu = usage.ru_utime + usage.ru_stime
+    text = log.read_text(encoding="utf-8", errors="replace")
+    return Finished(returncode, wall, usage.ru_maxrss / 1024, cpu, busy, text)
+
+
+def _descendants(root: int) -> list[int]:
+    """The process ids below `root` (children, grandchildren, ...), from /proc; empty off Linux."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # The parent id is the second field after the command name, which may itself hold spaces.
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _kill_session(pid: int) -> None:
+    """End a run: SIGTERM to its session (torchrun forwards it to its workers), then SIGKILL, 10 s on, to the session
+    and to every process it started. torchrun starts each worker in a session of its own, so the workers are
+    found, before the SIGTERM, by walking the process tree down from the run's first process."""
+    below = _descendants(pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+    for _ in range(50):
+        time.sleep(0.2)
+        alive = [p for p in [pid, *below] if _alive(p)]
+        if not alive:
+            return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    for p in below:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def last_error(log: str) -> str:
+    """The line of a log that says best why a run failed: the last exception line, else the last line."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"(Error|Exception|error:)", line) and "Traceback" not in line]
+    return (errors or lines or ["no output"])[-1][:300]
+
+
+def measure(
+    side: str,
+    procs: int,
+    cmd: list[str],
+    env: dict[str, str],
+    cwd: Path,
+    settings: Settings,
+    parse: Callable[[str], list[float]],
+) -> Run:
+    """Run one side's command and turn its per-step throughput into the side's figures."""
+    run = Run(side, procs, command=cmd)
+    finished = run_command(cmd, env, cwd, cwd / "log.txt", settings.timeout_s)
+    run.wall_s, run.peak_rss_mib = finished.wall_s, finished.peak_rss_mib
+    run.foreign_cores = max(finished.busy_s - finished.cpu_s, 0.0) / finished.wall_s
+    if finished.returncode is None:
+        return replace(run, status="failed", reason=f"timed out after {settings.timeout_s:.0f} s")
+    if finished.returncode != 0:
+        return replace(run, status="failed", reason=f"exit {finished.returncode}: {last_error(finished.log)}")
+    try:
+        run.step_tokens_per_s = parse(finished.log)
+    except (OSError, ValueError, KeyError) as e:
+        return replace(run, status="failed", reason=f"could not read its step times: {e}")
+    timed = run.step_tokens_per_s[settings.warmup : settings.warmup + settings.steps]
+    if len(timed) < settings.steps:
+        return replace(run, status="failed", reason=f"logged {len(run.step_tokens_per_s)} steps")
+    # Total tokens over total time: each step's seconds are its tokens over its throughput.
+    run.tokens_per_s = len(timed) * settings.batch_tokens / sum(settings.batch_tokens / t for t in timed)
+    return run
+
+
+def child_env(settings: Settings, procs: int, spec: dict[str, Any] | None = None) -> dict[str, str]:
+    """The environment of a side: this one, with the threads per process; for a peer, with its `PEER_SPEC` and
+    without `PYTHONPATH` (the peer's interpreter must see its own packages only)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, settings.threads // procs))}
+    if spec is not None:
+        env["PEER_SPEC"] = json.dumps(spec)
+        env.pop("PYTHONPATH", None)
+    return env
+
+
+def torchrun(python: str, procs: int) -> list[str]:
+    """The torchrun launcher of an interpreter: a free rendezvous port, rank 0's output only (prefixed)."""
+    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}",
+            "--tee=3", "--local-ranks-filter=0", "--role=rank"]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- the sides
+
+
+def lmforge_config(settings: Settings, procs: int, out_dir: Path) -> TrainConfig:
+    """The run's lmforge config: fake data of uniform tokens, one window per segment (no document masking), one
+    micro-batch per rank, a constant learning rate, no checkpoint."""
+    s = settings
+    return TrainConfig.model_validate(
+        {
+            "max_steps": s.warmup + s.steps,
+            "output_dir": str(out_dir / "run"),
+            "model": {
+                "arch": {
+                    "model_type": "llama",
+                    "hidden_size": s.hidden_size,
+                    "intermediate_size": s.intermediate_size,
+                    "num_hidden_layers": s.num_layers,
+                    "num_attention_heads": s.num_heads,
+                    "num_key_value_heads": s.num_kv_heads,
+                    "max_position_embeddings": s.seq_len,
+                    "rope_theta": s.rope_theta,
+                    "rms_norm_eps": s.norm_eps,
+                },
+                "init": {"std": s.init_std, "seed": s.seed},
+                "param_dtype": "float32",
+            },
+            "data": {
+                "type": "fake",
+                "seq_len": s.seq_len,
+                "batch_tokens": s.batch_tokens,
+                "micro_batch_tokens": s.batch_tokens // procs,
+                "vocab_size": s.vocab_size,
+                "pattern": "uniform",
+                "document_masking": False,
+                "seed": s.seed,
+            },
+            "optim": {
+                "type": "adamw",
+                "lr": s.lr,
+                "weight_decay": s.weight_decay,
+                "beta1": s.beta1,
+                "beta2": s.beta2,
+                "eps": s.eps,
+                "max_norm": s.max_norm,
+            },
+            "schedule": {"warmup": 0.0, "decay": 0.0},
+            "ckpt": {"final": False},
+            "log": {"interval": 1},
+        }
+    )
+
+
+def run_lmforge(settings: Settings, procs: int, work: Path) -> Run:
+    """lmforge's command line, alone or under torchrun."""
+    config = lmforge_config(settings, procs, work)
+    path = work / "run.toml"
+    path.write_text(dump_toml(config), encoding="utf-8")
+    launcher = [sys.executable] if procs == 1 else torchrun(sys.executable, procs)
+    cmd = [*launcher, "-m", "lmforge", "train", "@", str(path)]
+
+    def parse(_: str) -> list[float]:
+        lines = (work / "run" / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+        # Step records carry perf/throughput; the record of step 0 holds the parameter counts.
+        steps = [r for r in map(json.loads, filter(None, lines)) if "perf/throughput" in r]
+        return [float(r["perf/throughput"]) for r in sorted(steps, key=lambda r: r["step"])]
+
+    return measure("lmforge", procs, cmd, child_env(settings, procs), work, settings, parse)
+
+
+def run_plain(settings: Settings, compiled: bool, work: Path) -> Run:
+    """The hand-written loop of `plain_loop.py`, one process."""
+    s = settings
+    shape = {"hidden-size": s.hidden_size, "intermediate-size": s.intermediate_size, "num-layers": s.num_layers,
+             "num-heads": s.num_heads, "num-kv-heads": s.num_kv_heads, "vocab-size": s.vocab_size,
+             "max-seq-len": s.seq_len, "rope-theta": s.rope_theta, "norm-eps": s.norm_eps, "lr": s.lr,
+             "weight-decay": s.weight_decay, "beta1": s.beta1, "beta2": s.beta2, "eps": s.eps,
+             "max-norm": s.max_norm}  # fmt: skip
+    out = work / "steps.json"
+    cmd = [sys.executable, str(PLAIN_LOOP), *(f"--{k}={v}" for k, v in shape.items())]
+    cmd += [f"--batch={s.rows(1)}", f"--steps={s.warmup + s.steps}", f"--seed={s.seed}", f"--json={out}"]
+    cmd += ["--compile"] if compiled else []
+
+    def parse(_: str) -> list[float]:
+        figures = json.loads(out.read_text())
+        return [figures["tokens_per_step"] / sec for sec in figures["step_seconds"]]
+
+    side = "plain compiled" if compiled else "plain eager"
+    return measure(side, 1, cmd, child_env(settings, 1), work, settings, parse)
+
+
+TITAN_STEP = re.compile(r"step:\s*(\d+)\s.*?tps:\s*([\d,]+)")
+LITGPT_STEP = re.compile(r"iter (\d+) step \d+ \|.*?iter time: ([\d.]+) ms")
+
+
+def run_torchtitan(settings: Settings, procs: int, python: str, work: Path) -> Run:
+    """torchtitan's trainer under torchrun (it reads its ranks from torchrun's environment even for one)."""
+    cmd = [*torchrun(python, procs), str(SHIMS), "torchtitan"]
+    # With torch 2.13, torchtitan's default SPMD backend (spmd_types) rejects the FSDP mesh on more than one rank.
+    cmd += ["--parallelism.spmd_backend", "full_dtensor"] if procs > 1 else []
+    env = child_env(settings, procs, settings.peer_spec(procs, work / "out"))
+
+    def parse(log: str) -> list[float]:
+        # `tps` is tokens per second per data-parallel rank, over the step since the previous log line.
+        steps = {int(m[1]): float(m[2].replace(",", "")) * procs for m in TITAN_STEP.finditer(log)}
+        return [steps[i] for i in sorted(steps)]
+
+    return measure("torchtitan", procs, cmd, env, work, settings, parse)
+
+
+def run_litgpt(settings: Settings, procs: int, python: str, work: Path) -> Run:
+    """litgpt's `pretrain` through its Python API (one process)."""
+    cmd = [python, str(SHIMS), "litgpt"]
+    env = child_env(settings, procs, settings.peer_spec(procs, work / "out"))
+    tokens = settings.batch_tokens
+
+    def parse(log: str) -> list[float]:
+        # `iter time`: from after the batch is fetched to after the loss is read back, per iteration (= step).
+        steps = {int(m[1]): tokens / (float(m[2]) / 1000) for m in LITGPT_STEP.finditer(log)}
+        return [steps[i] for i in sorted(steps)]
+
+    return measure("litgpt", procs, cmd, env, work, settings, parse)
+
+
+# ---------------------------------------------------------------------------------------------- installing peers
+
+
+def peer_python(name: str) -> Path:
+    """The interpreter of a peer's environment."""
+    return PEERS_DIR / name / "bin" / "python"
+
+
+def install_peer(name: str, console: Any) -> str | None:
+    """Make sure the peer's environment holds its pinned packages with lmforge's torch; None when it does, else
+    why not. pip gets `torch==<this torch's version>`, local label included (`+cpu`), in the same command, so it
+    can neither replace it with another build nor pull a CUDA one."""
+    venv = PEERS_DIR / name
+    wanted = [f"torch=={torch.__version__}", *PEER_PACKAGES[name]]
+    marker = venv / "lmforge-peer.json"
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(marker.read_text()) == wanted and peer_python(name).exists():
+            return None
+    console.print(f"installing {name} into {venv}: {' '.join(wanted)}", highlight=False)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    log = venv.parent / f"{name}-install.log"
+    steps = [
+        [sys.executable, "-m", "venv", "--clear", str(venv)],
+        [str(peer_python(name)), "-m", "pip", "install", "--progress-bar=off", *wanted],
+    ]
+    for cmd in steps:
+        finished = run_command(cmd, dict(os.environ), venv.parent, log, INSTALL_TIMEOUT_S)
+        if finished.returncode != 0:
+            why = "timed out" if finished.returncode is None else last_error(finished.log)
+            return f"install failed ({' '.join(cmd[2:4])}): {why}"
+    marker.write_text(json.dumps(wanted), encoding="utf-8")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def summarize(runs: list[Run], settings: Settings) -> dict[str, Any]:
+    """The runs, and lmforge's throughput and memory over each side's at the same process count."""
+    lmforge = {r.procs: r for r in runs if r.side == "lmforge" and r.status == "ok"}
+    rows = []
+    for r in runs:
+        row: dict[str, Any] = asdict(r)
+        base = lmforge.get(r.procs)
+        ok = r.status == "ok" and base is not None
+        row["lmforge_over_side"] = base.tokens_per_s / r.tokens_per_s if ok else None
+        row["lmforge_over_side_memory"] = base.peak_rss_mib / r.peak_rss_mib if ok else None
+        rows.append(row)
+    return {"settings": asdict(settings), "torch": torch.__version__, "sides": rows}
+
+
+def print_report(summary: dict[str, Any], console: Any) -> None:
+    """One table: each side's tokens/s and peak memory, and lmforge's ratios to it."""
+    s = Settings(**summary["settings"])
+    title = (
+        f"lmforge vs the alternatives: Llama d{s.hidden_size} x{s.num_layers}, {s.num_heads} heads "
+        f"({s.num_kv_heads} KV), vocab {s.vocab_size}, seq {s.seq_len}, {s.batch_tokens} tokens/step, fp32, "
+        f"{s.steps} timed steps after {s.warmup}"
+    )
+    columns = ["side", "processes", "tokens/s", "peak RSS MiB\n(largest process)", "lmforge / side\ntokens/s",
+               "lmforge / side\npeak memory", "notes"]  # fmt: skip
+    table = common.result_table(title, columns, left={"side", "notes"})
+    for row in summary["sides"]:
+        if row["status"] != "ok":
+            table.add_row(row["side"], str(row["procs"]), "-", "-", "-", "-", f"{row['status']}: {row['reason']}")
+            continue
+        ratio = row["lmforge_over_side"]
+        memory = row["lmforge_over_side_memory"]
+        note = f"other processes: {row['foreign_cores']:.2f} cores" if row["foreign_cores"] > FOREIGN_LIMIT else ""
+        table.add_row(
+            row["side"],
+            str(row["procs"]),
+            f"{row['tokens_per_s']:,.0f}",
+            f"{row['peak_rss_mib']:,.0f}",
+            "" if row["side"] == "lmforge" else (f"{ratio:.2f}x" if ratio is not None else "-"),
+            "" if row["side"] == "lmforge" else (f"{memory:.2f}x" if memory is not None else "-"),
+            note,
+        )
+    console.print(table)
+    console.print(
+        "tokens/s: timed steps' tokens over the sum of their step times, as each side logs them; peak RSS: the "
+        "largest peak resident set of any process of the side (imports and compilers included); lmforge / side: "
+        "lmforge at the same number of processes over the side (above 1: lmforge is faster, or uses more memory)."
+    )
+    if any(row["status"] == "ok" and row["foreign_cores"] > FOREIGN_LIMIT for row in summary["sides"]):
+        console.print(
+            f"[yellow]other processes used the CPUs during some runs (> {FOREIGN_LIMIT} cores): those figures are "
+            "not reliable; rerun on an idle machine[/]"
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line flags."""
+    smoke = f"tiny model and {SMOKE.steps} steps, lmforge and the eager plain loop only: checks the script runs (~20 s)"
+    presets = {"default": Settings(), "smoke": SMOKE}
+    p = common.benchmark_parser(__doc__, presets, smoke, quiet_wait="before each run", all_cores=True)
+    p.add_argument("--peers", default="torchtitan,litgpt", help="peers to run, comma-separated (default: both)")
+    p.add_argument("--procs", default="1,2", help="process counts, comma-separated (default 1,2)")
+    p.add_argument(
+        "--work-dir", type=Path, default=None, help="keep each run's config, output and log here (default: a temp dir)"
+    )
+    return p.parse_args(argv)
+
+
+Job = Callable[[Path], Run] | str
+"""How a side runs: a function of its work folder, or the line saying why it does not."""
+
+
+def plan_sides(settings: Settings, procs: list[int], peers: list[str], smoke: bool, pythons: dict[str, str],
+               reasons: dict[str, str]) -> list[tuple[str, int, Job]]:  # fmt: skip
+    """Every (side, processes) of the run and its job, in running order."""
+    plan: list[tuple[str, int, Job]] = []
+    for n in procs:
+        plan.append(("lmforge", n, lambda w, n=n: run_lmforge(settings, n, w)))
+        if n == 1:
+            plan.append(("plain eager", 1, lambda w: run_plain(settings, False, w)))
+            # --smoke leaves compilation out: it alone would take most of the check's time.
+            plan.append(("plain compiled", 1, SMOKE_NO_COMPILE if smoke else lambda w: run_plain(settings, True, w)))
+        for name in peers:
+            if (name, n) in UNSUPPORTED:
+                plan.append((name, n, f"skipped: {UNSUPPORTED[name, n]}"))
+            elif name in reasons:
+                plan.append((name, n, f"skipped: {reasons[name]}"))
+            else:
+                runner = run_torchtitan if name == "torchtitan" else run_litgpt
+                plan.append((name, n, lambda w, n=n, f=runner, py=pythons[name]: f(settings, n, py, w)))
+    return plan
+
+
+def best_run(runs: list[Run]) -> Run:
+    """A side's figures over its repeats: the fastest run's tokens/s, the lowest peak memory; if none ran, the
+    last failure."""
+    ok = [r for r in runs if r.status == "ok"]
+    if not ok:
+        return runs[-1]
+    fastest = max(ok, key=lambda r: r.tokens_per_s)
+    return replace(fastest, peak_rss_mib=min(r.peak_rss_mib for r in ok))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Install the peers, run every side, print the table; 0 unless lmforge or the plain loop failed."""
+    args = parse_args(argv)
+    settings = common.with_flags(SMOKE if args.smoke else Settings(), args)
+    peers = [p for p in args.peers.split(",") if p]
+    procs = sorted({int(n) for n in args.procs.split(",") if n})
+    unknown = set(peers) - set(PEER_PACKAGES)
+    if unknown or not procs or min(procs) < 1 or settings.steps < 1 or settings.warmup < 0 or settings.repeats < 1:
+        print(f"peers.py: unknown peers {sorted(unknown)} or bad --procs/--steps/--warmup/--repeats", file=sys.stderr)
+        return 2
+    if any(settings.rows(n) < 1 or settings.rows(n) * n * settings.seq_len != settings.batch_tokens for n in procs):
+        print(f"peers.py: {settings.batch_tokens} tokens/step do not split into windows over {procs}", file=sys.stderr)
+        return 2
+    console = common.make_console()
+    quiet = common.quiet_wait_s(args)
+    pythons: dict[str, str] = {}
+    reasons: dict[str, str] = {}
+    for name in peers:
+        reason = SMOKE_SKIP if args.smoke else install_peer(name, console)
+        if reason is None:
+            pythons[name] = str(peer_python(name))
+        else:
+            reasons[name] = reason
+    plan = plan_sides(settings, procs, peers, args.smoke, pythons, reasons)
+    work_root = args.work_dir or Path(tempfile.mkdtemp(prefix="lmforge-peers-"))
+    runs: dict[tuple[str, int], list[Run]] = {(side, n): [] for side, n, _ in plan}
+    try:
+        for r in range(settings.repeats):
+            for side, n, job in common.in_turn(plan, r):
+                if isinstance(job, str):
+                    status, reason = job.split(": ", 1)
+                    runs[side, n].append(Run(side, n, status=status, reason=reason))
+                    continue
+                work = work_root / f"{side.replace(' ', '-')}-{n}-{r + 1}"
+                work.mkdir(parents=True, exist_ok=True)
+                settle(quiet)
+                run = job(work)
+                runs[side, n].append(run)
+                figure = f"{run.tokens_per_s:,.0f} tokens/s" if run.status == "ok" else f"{run.status}: {run.reason}"
+                console.print(
+                    f"run {r + 1}/{settings.repeats} {side} x{n}: {figure}, peak RSS {run.peak_rss_mib:,.0f} MiB, "
+                    f"other processes {run.foreign_cores:.2f} cores ({run.wall_s:.0f} s)",
+                    highlight=False,
+                )
+    finally:
+        if args.work_dir is None:
+            shutil.rmtree(work_root, ignore_errors=True)
+    summary = summarize([best_run(runs[side, n]) for side, n, _ in plan], settings)
+    summary["runs"] = [asdict(run) for side, n, _ in plan for run in runs[side, n]]
+    print_report(summary, console)
+    common.write_json(args.json, summary)
+    ours = [best_run(runs[key]) for key in runs if key[0] in ("lmforge", "plain eager", "plain compiled")]
+    return 1 if any(r.status == "failed" for r in ours) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
