@@ -200,8 +200,7 @@ class Trainer:
         if sums["nan_count"] > 0:
             # Rare: redo the step without the bad micro-batches (on every rank, so FSDP collectives match).
             rerun_without_nonfinite(self.model, micro_batches, stats.finite.tolist(), device, defer)
-            squares = self.optimizer.grad_squares(device)
-            again, _ = reduce_step_stats({f"grad_sq/{k}": v for k, v in squares.items()}, {})
+            again, _ = reduce_step_stats(self._grad_squares(), {})
             sums.update(again)
         group_sq = {g["name"]: sums[f"grad_sq/{g['name']}"] for g in self.optimizer.param_groups}
         update = self.optimizer.update(self.step + 1, group_sq, sums["loss_tokens"] > 0)
@@ -214,6 +213,7 @@ class Trainer:
         """The step's one SUM and one MAX all-reduce over everything the metrics and callbacks need."""
         device = self.ctx.device
         wait = torch.tensor(data_wait, device=device)
+        memory = torch.tensor(peak_memory_gib(device), device=device)
         pairs = float(attended_pairs(mb["seq_lens"] for mb in micro_batches))
         sums: dict[str, torch.Tensor] = {
             "loss_sum": stats.loss_sum,
@@ -222,17 +222,17 @@ class Trainer:
             "nan_count": stats.nan_count,
             "data_wait": wait,
             "pairs": torch.tensor(pairs, device=device),
-            "peak_memory": torch.tensor(peak_memory_gib(device), device=device),
-            **{f"grad_sq/{name}": sq for name, sq in self.optimizer.grad_squares(device).items()},
+            "peak_memory": memory,
+            **self._grad_squares(),
         }
         for cb in self.callbacks:
             sums.update(cb.step_sums(self))
-        maxes = {
-            "data_wait": wait,
-            "peak_memory": torch.tensor(peak_memory_gib(device), device=device),
-            "stop": torch.tensor(float(stop), device=device),
-        }
+        maxes = {"data_wait": wait, "peak_memory": memory, "stop": torch.tensor(float(stop), device=device)}
         return reduce_step_stats(sums, maxes)
+
+    def _grad_squares(self) -> dict[str, torch.Tensor]:
+        """This rank's per-group squared gradient norms under their names in the step's SUM reduction."""
+        return {f"grad_sq/{name}": sq for name, sq in self.optimizer.grad_squares(self.ctx.device).items()}
 
     def _step_metrics(self, sums: dict[str, Any], maxes: dict[str, float], update: OptimizerStep) -> dict[str, float]:
         loss = sums["loss_sum"] / sums["loss_tokens"] if sums["loss_tokens"] else math.nan
