@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from lmforge.config.base import Section
 from lmforge.model.config import ArchConfig
@@ -101,9 +101,10 @@ class ModelConfig(Section):
     """Dtype of parameters in forward/backward (master weights, optimizer state and gradient reduction stay fp32);
     `auto` is bfloat16 on CUDA and float32 on CPU."""
 
-    loss_chunk_tokens: int = Field(default=0, ge=0)
-    """Compute the LM head and cross-entropy this many tokens at a time, in fp32, never holding the full
-    [tokens, vocab] logits (same loss and gradients); 0 computes all logits at once."""
+    loss_chunk_tokens: int | Literal["auto"] = "auto"
+    """Compute the LM head and cross-entropy this many tokens at a time, the gradient with the loss, never holding
+    the full [tokens, vocab] logits (same loss and gradients, faster on the CPU); 0 computes all logits at once;
+    `auto` is 512 on the CPU and 0 on CUDA."""
 
     compile: bool = False
     """Compile each decoder block with torch.compile."""
@@ -121,3 +122,10 @@ class ModelConfig(Section):
     defer_grad_sync: bool = False
     """Reduce-scatter gradients once per optimizer step instead of after every micro-batch: less communication,
     but unsharded gradients stay in memory across the micro-batches of a step."""
+
+    @field_validator("loss_chunk_tokens")
+    @classmethod
+    def _chunk_not_negative(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("must be 'auto' or a token count >= 0 (0: all logits at once)")
+        return value

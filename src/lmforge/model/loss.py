@@ -1,14 +1,18 @@
 """The LM head and cross-entropy, plain or in token chunks that never hold the full [tokens, vocab] logits.
 
 With a vocabulary of 128k and 16k tokens per micro-batch, fp32 logits alone take 8 GiB, plus as much again for
-their gradient. The chunked path computes, for `chunk` tokens at a time, the fp32 logits, their cross-entropy and
-(in backward, recomputed) their gradient, so the peak is chunk x vocab; it returns the same loss sum and the same
-gradients for the hidden states and the head's weight as the plain path.
+their gradient. The chunked path computes, for `chunk` tokens at a time, the logits (the matmul in the weights'
+dtype, as `F.linear` does, then fp32), their cross-entropy and at once their gradient, which it turns into the
+gradients of the hidden states and of the head's weight before the next chunk. So the peak is chunk x vocab, no
+matmul is recomputed in backward (the backward only scales the stored gradients by the upstream one), and the
+softmax is computed once instead of three passes over the full logits (log-softmax, its backward, the NLL's
+backward), which makes it faster than the plain path as well as smaller. Loss and gradients equal the plain
+path's up to rounding. Nothing in it reads a value back to the host.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -17,49 +21,83 @@ from torch import Tensor
 IGNORE_INDEX = -100
 """Target id of a position that is not a loss token."""
 
+CPU_LOSS_CHUNK_TOKENS = 512
+"""`loss_chunk_tokens = "auto"` on the CPU: with vocabulary 8192 and 4096 tokens, loss and gradient take 0.57x the
+plain path's time at 512 tokens a chunk (128-2048 measured; 512 fastest), since a chunk's logits stay in cache."""
 
-class _ChunkedHeadCrossEntropy(torch.autograd.Function):
-    """sum over loss tokens of cross_entropy(hidden @ weight.T, targets), chunk by chunk, in fp32."""
+
+def resolve_loss_chunk(setting: int | Literal["auto"], device: torch.device) -> int:
+    """The chunk size `model.loss_chunk_tokens` means on `device`: `auto` is `CPU_LOSS_CHUNK_TOKENS` on the CPU and
+    0 (the full logits) elsewhere, where the chunked path has not been timed yet."""
+    if setting != "auto":
+        return setting
+    return CPU_LOSS_CHUNK_TOKENS if device.type == "cpu" else 0
+
+
+def _chunk_loss(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The fp32 cross-entropy sum of one chunk, and what its gradient needs: the softmax (made in place in
+    `logits`, whose values are gone after the call), the targets made safe to gather (0 where ignored) and the
+    keep mask. In place, because on the CPU every new [chunk, vocab] buffer costs page faults."""
+    keep = targets != IGNORE_INDEX
+    safe = torch.where(keep, targets, 0).unsqueeze(1)
+    picked = logits.gather(1, safe).squeeze(1)
+    top = logits.amax(dim=-1, keepdim=True)
+    total = logits.sub_(top).exp_().sum(dim=-1, keepdim=True)
+    lse = (top + total.log()).squeeze(1)
+    loss = ((lse - picked) * keep).sum()
+    return loss, logits.div_(total), safe, keep
+
+
+class _FusedHeadCrossEntropy(torch.autograd.Function):
+    """sum over loss tokens of cross_entropy(hidden @ weight.T, targets), chunk by chunk, gradients taken in
+    forward."""
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> Tensor:
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         total = torch.zeros((), device=hidden.device, dtype=torch.float32)
-        w = weight.float()
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if want_weight else None
         for start in range(0, hidden.shape[0], chunk):
-            logits = hidden[start : start + chunk].float() @ w.T
-            t = targets[start : start + chunk]
-            total = total + F.cross_entropy(logits, t, ignore_index=IGNORE_INDEX, reduction="sum")
-        ctx.save_for_backward(hidden, weight, targets)
-        ctx.chunk = chunk
+            h = hidden[start : start + chunk]
+            logits = (h @ weight.T).float()
+            loss, grad, safe, keep = _chunk_loss(logits, targets[start : start + chunk])
+            total += loss
+            # d(sum CE)/d(logits) = softmax - one_hot(target), zero on ignored rows; made in place in the logits.
+            grad.scatter_add_(1, safe, keep.unsqueeze(1).to(grad.dtype).neg())
+            grad = grad.mul_(keep.unsqueeze(1)).to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start : start + chunk] = grad @ weight
+            if grad_weight is not None:
+                if grad.dtype == torch.float32:
+                    grad_weight.addmm_(grad.T, h)
+                else:
+                    grad_weight += (grad.T @ h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        hidden, weight, targets = ctx.saved_tensors
-        w = weight.float()
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(w)
-        for start in range(0, hidden.shape[0], ctx.chunk):
-            h = hidden[start : start + ctx.chunk].float()
-            t = targets[start : start + ctx.chunk]
-            # d(sum CE)/d(logits) = softmax - one_hot(target), zero on ignored positions.
-            grad_logits = torch.softmax(h @ w.T, dim=-1)
-            keep = t != IGNORE_INDEX
-            rows = torch.arange(t.shape[0], device=t.device)
-            grad_logits[rows[keep], t[keep]] -= 1.0
-            grad_logits *= keep.unsqueeze(1) * grad_out
-            grad_hidden[start : start + ctx.chunk] = (grad_logits @ w).to(hidden.dtype)
-            grad_weight += grad_logits.T @ h
-        return grad_hidden, grad_weight.to(weight.dtype), None, None
+        grad_hidden, grad_weight = ctx.saved_tensors
+        gh = grad_hidden * grad_out.to(grad_hidden.dtype) if grad_hidden is not None else None
+        gw = (grad_weight * grad_out).to(ctx.weight_dtype) if grad_weight is not None else None
+        return gh, gw, None, None
 
 
 def head_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int = 0) -> Tensor:
     """fp32 sum of the cross-entropy of `hidden` [T, H] through the LM head `weight` [V, H] against `targets` [T]
     (IGNORE_INDEX where no loss); in chunks of `chunk_tokens` tokens when > 0, else with the full logits."""
-    if chunk_tokens > 0:
-        return _ChunkedHeadCrossEntropy.apply(hidden, weight, targets, chunk_tokens)
-    logits = F.linear(hidden, weight)
-    return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    if chunk_tokens <= 0:
+        logits = F.linear(hidden, weight)
+        return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _FusedHeadCrossEntropy.apply(hidden, weight, targets, chunk_tokens)
+    total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        logits = (hidden[start : start + chunk_tokens] @ weight.T).float()
+        total += _chunk_loss(logits, targets[start : start + chunk_tokens])[0]
+    return total
 
 
 @torch.no_grad()

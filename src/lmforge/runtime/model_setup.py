@@ -10,6 +10,7 @@ from lmforge.config.train import TrainConfig
 from lmforge.data import TokenizerInfo
 from lmforge.model import build_model
 from lmforge.model.llama import CausalLM
+from lmforge.model.loss import resolve_loss_chunk
 from lmforge.parallel import DistContext, parallelize
 
 VOCAB_MULTIPLE = 128
@@ -48,6 +49,6 @@ def build_run_model(config: TrainConfig, tokenizer: TokenizerInfo | None, ctx: D
     assert arch is not None, "model.arch is filled in from model.name when the config is loaded"
     vocab = model_vocab_size(config, tokenizer)
     model = build_model(arch, vocab, config.model.attn, ctx.device, meta=True, compiled=config.model.compile)
-    model.loss_chunk_tokens = config.model.loss_chunk_tokens
+    model.loss_chunk_tokens = resolve_loss_chunk(config.model.loss_chunk_tokens, ctx.device)
     parallelize(model, model.blocks, config.model, ctx)  # in place: the sharded model is the same object
     return model
