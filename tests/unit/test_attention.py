@@ -10,6 +10,7 @@ from lmforge.model.attention import (
     DocumentMask,
     backend_available,
     choose_backend,
+    equal_length_runs,
     get_attention,
     resolve_backend,
 )
@@ -123,3 +124,18 @@ def test_auto_picks_per_segment_sdpa_for_few_segments_on_cpu() -> None:
     mask = DocumentMask.from_seq_lens(torch.tensor([512]), q.device)
     get_attention("auto")(q, k, v, mask)
     assert mask.cache == {"auto": "sdpa_loop"}  # no dense [T, T] mask was built
+
+
+def test_sdpa_loop_batches_runs_of_equal_length_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Runs of equal-length segments go through one batched call each; outputs and gradients stay per segment.
+    lens = [6, 6, 6, 2, 9, 9, 1]
+    assert equal_length_runs(lens) == [(6, 3), (2, 1), (9, 2), (1, 1)]
+    monkeypatch.setattr(f"{__name__}.SEQ_LENS", lens)
+    _check("sdpa_loop", "cpu", torch.float32, atol=1e-5, backward=True)
+
+
+def test_auto_on_cuda_without_varlen_runs_equal_segments_as_one_causal_call() -> None:
+    cuda = torch.device("cuda")  # only the choice is checked: no CUDA needed
+    assert choose_backend([4096], cuda) == "sdpa_loop"
+    assert choose_backend([512] * 8, cuda) == "sdpa_loop"  # whole windows, no document masking
+    assert choose_backend([512, 300, 212], cuda) == "flex"

@@ -111,19 +111,33 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tenso
     return _from_bhtd(out)
 
 
+def equal_length_runs(seq_lens: list[int]) -> list[tuple[int, int]]:
+    """(segment length, count) of each run of consecutive equal-length segments, in order."""
+    runs: list[tuple[int, int]] = []
+    for n in seq_lens:
+        if runs and runs[-1][0] == n:
+            runs[-1] = (n, runs[-1][1] + 1)
+        else:
+            runs.append((n, 1))
+    return runs
+
+
 # Compiled blocks run the per-row choice and the per-segment loop eagerly, between two compiled graphs: traced,
 # the loop over a row's segments would make every new layout recompile (tests/unit/test_compile.py).
 @torch.compiler.disable
 def sdpa_loop_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
-    """One causal SDPA call per segment."""
+    """Causal SDPA per segment; consecutive segments of one length go in one batched call (a row of whole
+    windows, the layout without document masking, is a single call)."""
     gqa = q.shape[1] != k.shape[1]
-    outs = [
-        _from_bhtd(
-            F.scaled_dot_product_attention(_to_bhtd(qs), _to_bhtd(ks), _to_bhtd(vs), is_causal=True, enable_gqa=gqa)
-        )
-        for qs, ks, vs in zip(q.split(mask.seq_lens), k.split(mask.seq_lens), v.split(mask.seq_lens), strict=True)
-    ]
-    return torch.cat(outs, dim=0)
+    outs, start = [], 0
+    for length, count in equal_length_runs(mask.seq_lens):
+        part = slice(start, start + length * count)
+        # [count * length, heads, dim] -> [count, heads, length, dim]: one batch entry per segment.
+        qs, ks, vs = (x[part].unflatten(0, (count, length)).transpose(1, 2) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+        outs.append(out.transpose(1, 2).flatten(0, 1))
+        start += length * count
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
 @functools.cache
@@ -202,8 +216,9 @@ def choose_backend(seq_lens: list[int], device: torch.device) -> str:
     """The backend `auto` runs for a row with these segment lengths on a device without a varlen kernel (with
     one, `resolve_backend` picks it for every row)."""
     if device.type == "cuda":
-        # One segment is the fused causal SDPA kernel; several are flex attention's block-sparse kernel.
-        return "sdpa_loop" if len(seq_lens) == 1 else "flex"
+        # Segments of one length (one document, or whole windows without document masking) are one batched call
+        # of the fused causal SDPA kernel; other layouts are flex attention's block-sparse kernel.
+        return "sdpa_loop" if len(set(seq_lens)) == 1 else "flex"
     total = sum(seq_lens)
     return "sdpa_loop" if len(seq_lens) * CPU_MASK_AREA_PER_SEGMENT <= total * total else "sdpa"
 
@@ -215,12 +230,15 @@ def describe_backend(name: str, device: torch.device) -> str:
         "varlen": "PyTorch's varlen kernel takes every segment layout in one call (flash-attn is not installed)",
         "flex": "flex attention with a document block mask (no varlen kernel here)",
         "sdpa": "SDPA with a block-diagonal mask",
-        "sdpa_loop": "one causal SDPA per segment",
+        "sdpa_loop": "causal SDPA per segment, equal-length neighbours batched",
     }
     if name != "auto":
         return f"{name}: {reasons[name]}"
     if device.type == "cuda":
-        return "auto: causal SDPA for one-segment rows, flex attention for the others (no varlen kernel here)"
+        return (
+            "auto: causal SDPA for rows whose segments all have one length, flex attention for the others (no varlen "
+            "kernel here)"
+        )
     return (
         "auto: one causal SDPA per segment (the fused kernel), or SDPA with a block-diagonal mask for rows of T "
         f"tokens in more than T x T / {CPU_MASK_AREA_PER_SEGMENT} segments, where that was measured faster"
