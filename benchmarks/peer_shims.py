@@ -6,6 +6,12 @@ but not lmforge, so it imports only the standard library, torch and the peer. `p
 
     PEER_SPEC='{...}' torchrun --nproc-per-node N benchmarks/peer_shims.py torchtitan [torchtitan flags]
     PEER_SPEC='{...}' python benchmarks/peer_shims.py litgpt
+    PEER_PROFILE=OUT:START:COUNT python benchmarks/peer_shims.py run -m lmforge train @ run.toml   # any side
+
+With `PEER_PROFILE`, every side (`run` launches lmforge and the plain loop the same way) profiles its optimizer
+steps START+1 .. START+COUNT with `torch.profiler` on rank 0 and writes the table of its top operators, by time
+spent in the operator itself, to OUT. The steps are counted by a hook on every `torch.optim` optimizer's step, the
+one place all sides share, so no side's own code is changed.
 
 What each peer gets from here, and why (everything else is the peer's own code and defaults):
 
@@ -39,11 +45,63 @@ from typing import Any
 
 SPEC_ENV = "PEER_SPEC"
 """Environment variable holding the run's settings as JSON (see `peers.PeerSpec`)."""
+PROFILE_ENV = "PEER_PROFILE"
+"""Environment variable asking for a profile: `OUT:START:COUNT` (see the module's docstring)."""
+PROFILE_ROWS = 25
+"""Operators in a profile's table."""
 
 
 def spec() -> dict[str, Any]:
     """The run's settings, from `PEER_SPEC`."""
     return json.loads(os.environ[SPEC_ENV])
+
+
+# ---------------------------------------------------------------------------------------------- profiling
+
+
+def profile_from_env() -> None:
+    """When `PEER_PROFILE` is set (rank 0 only), profile the optimizer steps it names and write their table."""
+    setting = os.environ.get(PROFILE_ENV)
+    if not setting or os.environ.get("RANK", "0") != "0":
+        return
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    out, start, count = setting.rsplit(":", 2)
+    first, last = int(start) + 1, int(start) + int(count)
+    state: dict[str, Any] = {"steps": 0, "optimizer": None, "profiler": None}
+
+    def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        # A trainer may hold several optimizers (one per parameter group kind); count the first one's steps.
+        if state["optimizer"] is None:
+            state["optimizer"] = id(optimizer)
+        if id(optimizer) != state["optimizer"]:
+            return
+        state["steps"] += 1
+        if state["steps"] == first - 1:
+            state["profiler"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            state["profiler"].__enter__()
+        elif state["steps"] == last and state["profiler"] is not None:
+            profiler, state["profiler"] = state["profiler"], None
+            profiler.__exit__(None, None, None)
+            table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS)
+            Path(out).write_text(f"optimizer steps {first}..{last}\n{table}\n", encoding="utf-8")
+
+    register_optimizer_step_post_hook(after_step)
+
+
+def run_program(argv: list[str]) -> None:
+    """`run -m MODULE ARGS` or `run SCRIPT ARGS`: run a Python program as `python` would, after `profile_from_env`."""
+    import runpy
+
+    profile_from_env()
+    if argv[:1] == ["-m"]:
+        sys.argv = argv[1:]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv
+        sys.path.insert(0, str(Path(argv[0]).resolve().parent))
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 # ---------------------------------------------------------------------------------------------- the CPU shim
@@ -421,13 +479,19 @@ def run_litgpt() -> None:
 
 
 def main(argv: list[str]) -> int:
-    """`peer_shims.py torchtitan [torchtitan flags]` or `peer_shims.py litgpt` (no flags: all in `PEER_SPEC`)."""
+    """`peer_shims.py torchtitan [torchtitan flags]`, `peer_shims.py litgpt` (no flags: all in `PEER_SPEC`) or
+    `peer_shims.py run (-m MODULE | SCRIPT) [ARGS]`."""
     if argv[:1] == ["torchtitan"]:
+        profile_from_env()
         run_torchtitan(argv[1:])
     elif argv == ["litgpt"]:
+        profile_from_env()
         run_litgpt()
+    elif argv[:1] == ["run"] and argv[1:]:
+        run_program(argv[1:])
     else:
-        print("usage: peer_shims.py torchtitan [torchtitan flags] | peer_shims.py litgpt", file=sys.stderr)
+        print("usage: peer_shims.py torchtitan [torchtitan flags] | litgpt | run (-m MODULE | SCRIPT) [ARGS]",
+              file=sys.stderr)  # fmt: skip
         return 2
     return 0
 

@@ -5,9 +5,11 @@ RoPE theta 10000) on uniform random tokens without document masking: seq_len 512
 in one micro-batch per process (8 windows of 512 on one process, 4 per rank on two), fp32, AdamW (lr 1e-3, betas
 0.9/0.95, eps 1e-8, weight decay 0.1) at a constant learning rate (no warmup, no decay), gradients clipped at 1.0:
 
-- `lmforge`: the real command line, `python -m lmforge train @ run.toml` (under `torchrun --standalone` for 2
-  processes), with the default attention (`auto`) and no checkpoint; step times from its `metrics.jsonl`
-  (`perf/throughput`).
+- `lmforge` / `lmforge compiled`: the real command line, `python -m lmforge train @ run.toml` (under
+  `torchrun --standalone` for 2 processes), with its defaults (`model.attn = "auto"`, `model.loss_chunk_tokens =
+  "auto"`), no checkpoint, and `model.compile` off / on; step times from its `metrics.jsonl` (`perf/throughput`).
+- `lmforge doc-masked` (one process): `lmforge` with document masking on, over documents of geometric length,
+  `MASKED_MEAN_DOC` tokens on average; its ratio is lmforge's cost of masking.
 - `plain eager` / `plain compiled`: `benchmarks/plain_loop.py` (one process): a hand-written loop, eager or with
   `torch.compile` on the whole model; step times from its own clock.
 - `torchtitan` (0.3.0) and `litgpt` (0.5.13), each installed from PyPI into its own virtual environment under
@@ -26,6 +28,11 @@ failed, with the reason, and the table is still printed.
 
     .venv/bin/python benchmarks/peers.py [--peers torchtitan,litgpt] [--procs 1,2] [--steps N] [--warmup N]
                                          [--repeats N] [--threads N] [--quiet-wait S] [--work-dir DIR] [--json PATH]
+                                         [--profile DIR]
+
+`--profile DIR` runs every side once more after the timed runs, with `torch.profiler` on rank 0 over
+`PROFILE_STEPS` steps after the warmup, and writes each side's table of top operators (by time spent in the
+operator itself) to `DIR/<side>-<processes>.txt`; those runs do not count in the figures.
     .venv/bin/python benchmarks/peers.py --smoke    # tiny model, 2 steps, lmforge and plain eager only (~20 s)
 
 The full run takes about 6 minutes on 2 idle cores (more when torch's compile cache is cold), plus about 3 minutes
@@ -73,6 +80,10 @@ UNSUPPORTED = {
 SMOKE_SKIP = "--smoke does not install peers"
 SMOKE_NO_COMPILE = "skipped: --smoke does not compile (overhead.py --smoke runs the compiled loop)"
 INSTALL_TIMEOUT_S = 1800.0
+MASKED_MEAN_DOC = 256
+"""Mean document length of the `lmforge doc-masked` side (geometric lengths)."""
+PROFILE_STEPS = 4
+"""Steps each side profiles with `--profile`."""
 FOREIGN_LIMIT = 0.1
 """Cores of foreign load above which a side's figure is flagged."""
 
@@ -295,10 +306,15 @@ def measure(
     return run
 
 
-def child_env(settings: Settings, procs: int, spec: dict[str, Any] | None = None) -> dict[str, str]:
+def child_env(
+    settings: Settings, procs: int, spec: dict[str, Any] | None = None, profile: Path | None = None
+) -> dict[str, str]:
     """The environment of a side: this one, with the threads per process; for a peer, with its `PEER_SPEC` and
-    without `PYTHONPATH` (the peer's interpreter must see its own packages only)."""
+    without `PYTHONPATH` (the peer's interpreter must see its own packages only); with `profile`, the request for
+    a profile written there (`peer_shims.profile_from_env`)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, settings.threads // procs))}
+    if profile is not None:
+        env["PEER_PROFILE"] = f"{profile}:{settings.warmup}:{min(PROFILE_STEPS, settings.steps)}"
     if spec is not None:
         env["PEER_SPEC"] = json.dumps(spec)
         env.pop("PYTHONPATH", None)
@@ -314,9 +330,12 @@ def torchrun(python: str, procs: int) -> list[str]:
 # ---------------------------------------------------------------------------------------------- the sides
 
 
-def lmforge_config(settings: Settings, procs: int, out_dir: Path) -> TrainConfig:
+def lmforge_config(
+    settings: Settings, procs: int, out_dir: Path, compiled: bool = False, masked: bool = False
+) -> TrainConfig:
     """The run's lmforge config: fake data of uniform tokens, one window per segment (no document masking), one
-    micro-batch per rank, a constant learning rate, no checkpoint."""
+    micro-batch per rank, a constant learning rate, no checkpoint; `compiled` turns `model.compile` on, `masked`
+    document masking on (documents of `MASKED_MEAN_DOC` tokens on average)."""
     s = settings
     return TrainConfig.model_validate(
         {
@@ -336,6 +355,7 @@ def lmforge_config(settings: Settings, procs: int, out_dir: Path) -> TrainConfig
                 },
                 "init": {"std": s.init_std, "seed": s.seed},
                 "param_dtype": "float32",
+                "compile": compiled,
             },
             "data": {
                 "type": "fake",
@@ -344,7 +364,8 @@ def lmforge_config(settings: Settings, procs: int, out_dir: Path) -> TrainConfig
                 "micro_batch_tokens": s.batch_tokens // procs,
                 "vocab_size": s.vocab_size,
                 "pattern": "uniform",
-                "document_masking": False,
+                "document_masking": masked,
+                "mean_doc_len": MASKED_MEAN_DOC,
                 "seed": s.seed,
             },
             "optim": {
@@ -363,13 +384,16 @@ def lmforge_config(settings: Settings, procs: int, out_dir: Path) -> TrainConfig
     )
 
 
-def run_lmforge(settings: Settings, procs: int, work: Path) -> Run:
-    """lmforge's command line, alone or under torchrun."""
-    config = lmforge_config(settings, procs, work)
+def run_lmforge(
+    settings: Settings, procs: int, work: Path, profile: Path | None, compiled: bool = False, masked: bool = False
+) -> Run:
+    """lmforge's command line, alone or under torchrun (through `peer_shims.py run` when profiled)."""
+    config = lmforge_config(settings, procs, work, compiled, masked)
     path = work / "run.toml"
     path.write_text(dump_toml(config), encoding="utf-8")
     launcher = [sys.executable] if procs == 1 else torchrun(sys.executable, procs)
-    cmd = [*launcher, "-m", "lmforge", "train", "@", str(path)]
+    module = ["-m", "lmforge"] if profile is None else [str(SHIMS), "run", "-m", "lmforge"]
+    cmd = [*launcher, *module, "train", "@", str(path)]
 
     def parse(_: str) -> list[float]:
         lines = (work / "run" / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
@@ -377,11 +401,12 @@ def run_lmforge(settings: Settings, procs: int, work: Path) -> Run:
         steps = [r for r in map(json.loads, filter(None, lines)) if "perf/throughput" in r]
         return [float(r["perf/throughput"]) for r in sorted(steps, key=lambda r: r["step"])]
 
-    return measure("lmforge", procs, cmd, child_env(settings, procs), work, settings, parse)
+    side = "lmforge compiled" if compiled else "lmforge doc-masked" if masked else "lmforge"
+    return measure(side, procs, cmd, child_env(settings, procs, profile=profile), work, settings, parse)
 
 
-def run_plain(settings: Settings, compiled: bool, work: Path) -> Run:
-    """The hand-written loop of `plain_loop.py`, one process."""
+def run_plain(settings: Settings, compiled: bool, work: Path, profile: Path | None = None) -> Run:
+    """The hand-written loop of `plain_loop.py`, one process (through `peer_shims.py run` when profiled)."""
     s = settings
     shape = {"hidden-size": s.hidden_size, "intermediate-size": s.intermediate_size, "num-layers": s.num_layers,
              "num-heads": s.num_heads, "num-kv-heads": s.num_kv_heads, "vocab-size": s.vocab_size,
@@ -389,7 +414,8 @@ def run_plain(settings: Settings, compiled: bool, work: Path) -> Run:
              "weight-decay": s.weight_decay, "beta1": s.beta1, "beta2": s.beta2, "eps": s.eps,
              "max-norm": s.max_norm}  # fmt: skip
     out = work / "steps.json"
-    cmd = [sys.executable, str(PLAIN_LOOP), *(f"--{k}={v}" for k, v in shape.items())]
+    cmd = [sys.executable, *([] if profile is None else [str(SHIMS), "run"]), str(PLAIN_LOOP)]
+    cmd += [f"--{k}={v}" for k, v in shape.items()]
     cmd += [f"--batch={s.rows(1)}", f"--steps={s.warmup + s.steps}", f"--seed={s.seed}", f"--json={out}"]
     cmd += ["--compile"] if compiled else []
 
@@ -398,19 +424,19 @@ def run_plain(settings: Settings, compiled: bool, work: Path) -> Run:
         return [figures["tokens_per_step"] / sec for sec in figures["step_seconds"]]
 
     side = "plain compiled" if compiled else "plain eager"
-    return measure(side, 1, cmd, child_env(settings, 1), work, settings, parse)
+    return measure(side, 1, cmd, child_env(settings, 1, profile=profile), work, settings, parse)
 
 
 TITAN_STEP = re.compile(r"step:\s*(\d+)\s.*?tps:\s*([\d,]+)")
 LITGPT_STEP = re.compile(r"iter (\d+) step \d+ \|.*?iter time: ([\d.]+) ms")
 
 
-def run_torchtitan(settings: Settings, procs: int, python: str, work: Path) -> Run:
+def run_torchtitan(settings: Settings, procs: int, python: str, work: Path, profile: Path | None = None) -> Run:
     """torchtitan's trainer under torchrun (it reads its ranks from torchrun's environment even for one)."""
     cmd = [*torchrun(python, procs), str(SHIMS), "torchtitan"]
     # With torch 2.13, torchtitan's default SPMD backend (spmd_types) rejects the FSDP mesh on more than one rank.
     cmd += ["--parallelism.spmd_backend", "full_dtensor"] if procs > 1 else []
-    env = child_env(settings, procs, settings.peer_spec(procs, work / "out"))
+    env = child_env(settings, procs, settings.peer_spec(procs, work / "out"), profile)
 
     def parse(log: str) -> list[float]:
         # `tps` is tokens per second per data-parallel rank, over the step since the previous log line.
@@ -420,10 +446,10 @@ def run_torchtitan(settings: Settings, procs: int, python: str, work: Path) -> R
     return measure("torchtitan", procs, cmd, env, work, settings, parse)
 
 
-def run_litgpt(settings: Settings, procs: int, python: str, work: Path) -> Run:
+def run_litgpt(settings: Settings, procs: int, python: str, work: Path, profile: Path | None = None) -> Run:
     """litgpt's `pretrain` through its Python API (one process)."""
     cmd = [python, str(SHIMS), "litgpt"]
-    env = child_env(settings, procs, settings.peer_spec(procs, work / "out"))
+    env = child_env(settings, procs, settings.peer_spec(procs, work / "out"), profile)
     tokens = settings.batch_tokens
 
     def parse(log: str) -> list[float]:
@@ -472,17 +498,25 @@ def install_peer(name: str, console: Any) -> str | None:
 
 
 def summarize(runs: list[Run], settings: Settings) -> dict[str, Any]:
-    """The runs, and lmforge's throughput and memory over each side's at the same process count."""
+    """The runs, and lmforge's throughput (eager and compiled) and memory over each side's at the same process
+    count."""
     lmforge = {r.procs: r for r in runs if r.side == "lmforge" and r.status == "ok"}
+    compiled = {r.procs: r for r in runs if r.side == "lmforge compiled" and r.status == "ok"}
     rows = []
     for r in runs:
         row: dict[str, Any] = asdict(r)
-        base = lmforge.get(r.procs)
-        ok = r.status == "ok" and base is not None
-        row["lmforge_over_side"] = base.tokens_per_s / r.tokens_per_s if ok else None
-        row["lmforge_over_side_memory"] = base.peak_rss_mib / r.peak_rss_mib if ok else None
+        base, fast = lmforge.get(r.procs), compiled.get(r.procs)
+        ok = r.status == "ok"
+        row["lmforge_over_side"] = base.tokens_per_s / r.tokens_per_s if ok and base else None
+        row["lmforge_compiled_over_side"] = fast.tokens_per_s / r.tokens_per_s if ok and fast else None
+        row["lmforge_over_side_memory"] = base.peak_rss_mib / r.peak_rss_mib if ok and base else None
         rows.append(row)
     return {"settings": asdict(settings), "torch": torch.__version__, "sides": rows}
+
+
+def _ratio(value: float | None, itself: bool) -> str:
+    """A ratio cell: empty on the row it is measured from, `-` where a side did not run."""
+    return "" if itself else (f"{value:.2f}x" if value is not None else "-")
 
 
 def print_report(summary: dict[str, Any], console: Any) -> None:
@@ -494,29 +528,29 @@ def print_report(summary: dict[str, Any], console: Any) -> None:
         f"{s.steps} timed steps after {s.warmup}"
     )
     columns = ["side", "processes", "tokens/s", "peak RSS MiB\n(largest process)", "lmforge / side\ntokens/s",
-               "lmforge / side\npeak memory", "notes"]  # fmt: skip
+               "lmforge compiled\n/ side tokens/s", "lmforge / side\npeak memory", "notes"]  # fmt: skip
     table = common.result_table(title, columns, left={"side", "notes"})
     for row in summary["sides"]:
         if row["status"] != "ok":
-            table.add_row(row["side"], str(row["procs"]), "-", "-", "-", "-", f"{row['status']}: {row['reason']}")
+            table.add_row(row["side"], str(row["procs"]), "-", "-", "-", "-", "-", f"{row['status']}: {row['reason']}")
             continue
-        ratio = row["lmforge_over_side"]
-        memory = row["lmforge_over_side_memory"]
         note = f"other processes: {row['foreign_cores']:.2f} cores" if row["foreign_cores"] > FOREIGN_LIMIT else ""
         table.add_row(
             row["side"],
             str(row["procs"]),
             f"{row['tokens_per_s']:,.0f}",
             f"{row['peak_rss_mib']:,.0f}",
-            "" if row["side"] == "lmforge" else (f"{ratio:.2f}x" if ratio is not None else "-"),
-            "" if row["side"] == "lmforge" else (f"{memory:.2f}x" if memory is not None else "-"),
+            _ratio(row["lmforge_over_side"], row["side"] == "lmforge"),
+            _ratio(row["lmforge_compiled_over_side"], row["side"] == "lmforge compiled"),
+            _ratio(row["lmforge_over_side_memory"], row["side"] == "lmforge"),
             note,
         )
     console.print(table)
     console.print(
         "tokens/s: timed steps' tokens over the sum of their step times, as each side logs them; peak RSS: the "
         "largest peak resident set of any process of the side (imports and compilers included); lmforge / side: "
-        "lmforge at the same number of processes over the side (above 1: lmforge is faster, or uses more memory)."
+        "lmforge (eager, or compiled) at the same number of processes over the side (above 1: lmforge is faster, or "
+        "uses more memory)."
     )
     if any(row["status"] == "ok" and row["foreign_cores"] > FOREIGN_LIMIT for row in summary["sides"]):
         console.print(
@@ -535,23 +569,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--work-dir", type=Path, default=None, help="keep each run's config, output and log here (default: a temp dir)"
     )
+    p.add_argument(
+        "--profile", type=Path, default=None, help="after the timed runs, profile each side once; tables to this folder"
+    )
     return p.parse_args(argv)
 
 
-Job = Callable[[Path], Run] | str
-"""How a side runs: a function of its work folder, or the line saying why it does not."""
+Job = Callable[[Path, Path | None], Run] | str
+"""How a side runs: a function of its work folder and profile path (None: no profile), or the line saying why it
+does not."""
 
 
 def plan_sides(settings: Settings, procs: list[int], peers: list[str], smoke: bool, pythons: dict[str, str],
                reasons: dict[str, str]) -> list[tuple[str, int, Job]]:  # fmt: skip
     """Every (side, processes) of the run and its job, in running order."""
+    # --smoke leaves compilation out: it alone would take most of the check's time.
+    no_compile = SMOKE_NO_COMPILE if smoke else None
     plan: list[tuple[str, int, Job]] = []
     for n in procs:
-        plan.append(("lmforge", n, lambda w, n=n: run_lmforge(settings, n, w)))
+        plan.append(("lmforge", n, lambda w, p, n=n: run_lmforge(settings, n, w, p)))
+        compiled = no_compile or (lambda w, p, n=n: run_lmforge(settings, n, w, p, compiled=True))
+        plan.append(("lmforge compiled", n, compiled))
         if n == 1:
-            plan.append(("plain eager", 1, lambda w: run_plain(settings, False, w)))
-            # --smoke leaves compilation out: it alone would take most of the check's time.
-            plan.append(("plain compiled", 1, SMOKE_NO_COMPILE if smoke else lambda w: run_plain(settings, True, w)))
+            plan.append(("lmforge doc-masked", 1, lambda w, p: run_lmforge(settings, 1, w, p, masked=True)))
+            plan.append(("plain eager", 1, lambda w, p: run_plain(settings, False, w, p)))
+            plan.append(("plain compiled", 1, no_compile or (lambda w, p: run_plain(settings, True, w, p))))
         for name in peers:
             if (name, n) in UNSUPPORTED:
                 plan.append((name, n, f"skipped: {UNSUPPORTED[name, n]}"))
@@ -559,7 +601,7 @@ def plan_sides(settings: Settings, procs: list[int], peers: list[str], smoke: bo
                 plan.append((name, n, f"skipped: {reasons[name]}"))
             else:
                 runner = run_torchtitan if name == "torchtitan" else run_litgpt
-                plan.append((name, n, lambda w, n=n, f=runner, py=pythons[name]: f(settings, n, py, w)))
+                plan.append((name, n, lambda w, p, n=n, f=runner, py=pythons[name]: f(settings, n, py, w, p)))
     return plan
 
 
@@ -571,6 +613,22 @@ def best_run(runs: list[Run]) -> Run:
         return runs[-1]
     fastest = max(ok, key=lambda r: r.tokens_per_s)
     return replace(fastest, peak_rss_mib=min(r.peak_rss_mib for r in ok))
+
+
+def profile_sides(plan: list[tuple[str, int, Job]], work_root: Path, out: Path, quiet: float, console: Any) -> None:
+    """Run every side once more with a profile, written to `out/<side>-<processes>.txt`."""
+    out.mkdir(parents=True, exist_ok=True)
+    for side, n, job in plan:
+        if isinstance(job, str):
+            continue
+        name = f"{side.replace(' ', '-')}-{n}"
+        work = work_root / f"{name}-profile"
+        work.mkdir(parents=True, exist_ok=True)
+        settle(quiet)
+        run = job(work, (out / f"{name}.txt").resolve())
+        done = (out / f"{name}.txt").is_file()
+        figure = "written" if done else f"missing ({run.status}: {run.reason or 'no table written'})"
+        console.print(f"profile {side} x{n}: {out / (name + '.txt')} {figure}", highlight=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -609,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
                 work = work_root / f"{side.replace(' ', '-')}-{n}-{r + 1}"
                 work.mkdir(parents=True, exist_ok=True)
                 settle(quiet)
-                run = job(work)
+                run = job(work, None)
                 runs[side, n].append(run)
                 figure = f"{run.tokens_per_s:,.0f} tokens/s" if run.status == "ok" else f"{run.status}: {run.reason}"
                 console.print(
@@ -617,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"other processes {run.foreign_cores:.2f} cores ({run.wall_s:.0f} s)",
                     highlight=False,
                 )
+        if args.profile is not None:
+            profile_sides(plan, work_root, args.profile, quiet, console)
     finally:
         if args.work_dir is None:
             shutil.rmtree(work_root, ignore_errors=True)
@@ -624,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["runs"] = [asdict(run) for side, n, _ in plan for run in runs[side, n]]
     print_report(summary, console)
     common.write_json(args.json, summary)
-    ours = [best_run(runs[key]) for key in runs if key[0] in ("lmforge", "plain eager", "plain compiled")]
+    ours = [best_run(runs[key]) for key in runs if not key[0].startswith(("torchtitan", "litgpt"))]
     return 1 if any(r.status == "failed" for r in ours) else 0
 
 

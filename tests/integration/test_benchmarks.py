@@ -33,14 +33,15 @@ def test_overhead_smoke_trains_the_same_model_on_every_side(tmp_path: Path) -> N
 
 
 def test_peers_smoke_runs_lmforge_and_the_plain_loop(tmp_path: Path) -> None:
-    """`peers.py --smoke` trains the tiny model with lmforge (1 and 2 processes) and the plain loop, and reports
-    the peers as skipped without installing them."""
-    out = tmp_path / "peers.json"
+    """`peers.py --smoke` trains the tiny model with lmforge (1 and 2 processes) and the plain loop, reports the
+    peers as skipped without installing them, and with `--profile` writes each side's table of top operators."""
+    out, profiles = tmp_path / "peers.json", tmp_path / "profiles"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--smoke", "--json", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
+    cmd += ["--profile", str(profiles), "--quiet-wait", "0"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = {(row["side"], row["procs"]): row for row in json.loads(out.read_text())["sides"]}
-    for side in (("lmforge", 1), ("lmforge", 2), ("plain eager", 1)):
+    for side in (("lmforge", 1), ("lmforge", 2), ("lmforge doc-masked", 1), ("plain eager", 1)):
         assert rows[side]["status"] == "ok", rows[side]["reason"]
         assert rows[side]["tokens_per_s"] > 0 and rows[side]["peak_rss_mib"] > 0
         assert len(rows[side]["step_tokens_per_s"]) == 3  # 1 warmup + 2 timed steps
@@ -50,6 +51,15 @@ def test_peers_smoke_runs_lmforge_and_the_plain_loop(tmp_path: Path) -> None:
     assert all(row["status"] == "skipped" for row in peers)
     assert rows[("torchtitan", 1)]["reason"] == "--smoke does not install peers"
     assert "lmforge" in result.stdout and "plain eager" in result.stdout and "skipped" in result.stdout
+    assert sorted(p.name for p in profiles.iterdir()) == [
+        "lmforge-1.txt",
+        "lmforge-2.txt",
+        "lmforge-doc-masked-1.txt",
+        "plain-eager-1.txt",
+    ]
+    for table in profiles.iterdir():
+        text = table.read_text()
+        assert text.startswith("optimizer steps 2..3") and "aten::mm" in text, text[:500]
 
 
 def test_attention_switch_smoke_reports_both_backends(tmp_path: Path) -> None:
