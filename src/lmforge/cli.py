@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "run the training loop (pretraining or SFT); `lmforge train --help` lists every config field"),
     "tokenizer": ("tokenizer", "tokenizer tools: `lmforge tokenizer train` trains a byte-level BPE on local text"),
     "tokenize": ("tokenize", "turn local text into datatrove token shards"),
+    "mix": ("mix", "write one token pool from several shard folders in weighted shares (lmforge mix --help)"),
     "export": ("export", "write a run's checkpoint as a plain Hugging Face model folder"),
     "sample": ("sample", "generate text from a model folder, run directory or checkpoint"),
     "plot": ("plot", "overlay metric curves of runs in an image (lmforge plot RUN_DIR ... -o curves.png)"),

@@ -233,3 +233,16 @@ def test_a_failed_child_comes_back_as_an_error() -> None:
     assert results["raised"]["error"].startswith("ValueError") and "traceback" in results["raised"]
     assert results["died"]["error"] == "the process exited with code 3 without a result"
     assert results["slow"]["error"] == "timed out after 1 s"
+
+
+def test_mix_smoke_writes_a_pool_in_the_asked_shares(tmp_path: Path) -> None:
+    out = tmp_path / "mix.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "mix.py"), "--smoke", "--json", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    mix = figures["mix"]
+    assert mix["mb_per_s"] > 0 and mix["bytes"] == 2 * mix["tokens"]  # uint16 tokens
+    assert abs(mix["tokens"] - mix["tokens_requested"]) < 3 * 3000  # within a document per source
+    for source in figures["sources"]:
+        assert mix["shares"][source["name"]] == pytest.approx(source["weight"], abs=0.002)
