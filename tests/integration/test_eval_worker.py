@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 
 from lmforge.monitor import read_metrics
+from lmforge.monitor.wandb import EVAL_RUN_ID_FILE
 from tests.integration.runner import losses, run_cli, write_config
 from tests.shards import random_docs, word_tokenizer, write_shard
+from tests.unit.test_wandb import logged_runs, stored_id
 
 pytestmark = pytest.mark.slow
 
@@ -52,3 +54,35 @@ def test_worker_refuses_a_run_without_val_sets(tmp_path: Path) -> None:
     assert result.returncode == 2 and "no [val] sets" in result.stderr
     missing = run_cli(["eval", str(tmp_path / "nowhere")])
     assert missing.returncode == 2 and "not a run directory" in missing.stderr
+
+
+def test_worker_logs_to_a_wandb_run_beside_the_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `[wandb]` offline, the worker's metrics reach a W&B run of its own (`<name>-eval`, job type eval) at
+    the snapshots' steps, and its config names the training's W&B run."""
+    pytest.importorskip("wandb")
+    for name, value in {"WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true",
+                        "WANDB__DISABLE_STATS": "true", "WANDB__DISABLE_MACHINE_INFO": "true",
+                        "WANDB__DISABLE_META": "true", "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"),
+                        "WANDB_CACHE_DIR": str(tmp_path / "wandb_cache")}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    tok = word_tokenizer(tmp_path / "tok")
+    write_shard(tmp_path / "heldout", "00000", random_docs(30, seed=5))
+    cfg = write_config(tmp_path, "base", max_steps=4)
+    run = tmp_path / "run"
+    trained = run_cli(["train", "@", str(cfg), "--tokenizer.name", str(tok), "--val.seq-lens", "[32]", "--val.sets",
+                       f'[{{name = "held", path = "{tmp_path / "heldout"}"}}]', "--output-dir", str(run),
+                       "--no-val.eval-on-end", "--eval-snapshots.interval", "2", "--wandb.project", "lmforge-test",
+                       "--wandb.mode", "offline"])  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    worker = run_cli(["eval", str(run), "--poll-seconds", "0.1"])
+    assert worker.returncode == 0, worker.stderr[-3000:]
+    scored = {r["step"]: r for r in read_metrics(run / "metrics.jsonl") if "time/val" in r}
+    assert sorted(scored) == [2, 4]
+    eval_id = (run / EVAL_RUN_ID_FILE).read_text().strip()
+    assert eval_id != stored_id(run)
+    (logged,) = logged_runs(run, eval_id)
+    assert logged.run.display_name == "run-eval" and logged.run.job_type == "eval"
+    assert logged.config["train_run_id"] == stored_id(run)
+    assert sorted(logged.history) == [2, 4]
+    for step, row in logged.history.items():
+        assert row["val/held/loss@32"] == pytest.approx(scored[step]["val/held/loss@32"])

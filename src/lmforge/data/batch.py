@@ -2,7 +2,8 @@
 
 Every data type yields micro-batches of the same form: a dict of 1-row tensors of length T (docs/data.md):
 `input_ids`, `target_ids`, `position_ids` (int64 [1, T]), `loss_mask` (bool [1, T]) and `seq_lens`
-(int32 [S], adding up to T). Attention and positions restart at every segment.
+(int32 [S], adding up to T). Attention and positions restart at every segment. A pool with sources (a mixture made
+by `lmforge mix`) adds `source_tokens` (int64 [sources]): the micro-batch's target tokens per source.
 
 Micro-batches are built in the data worker thread, so everything here is numpy, wrapped with `torch.from_numpy`
 at the end: a torch compute op in that thread would start a second OpenMP team, after which the trainer's compute
@@ -35,6 +36,8 @@ class Window:
     """Segment lengths over the seq_len input positions (one per document, or [seq_len])."""
     loss_mask: np.ndarray | None = None
     """Optional bool mask over the seq_len targets; None means every target counts."""
+    source_tokens: np.ndarray | None = None
+    """Optional int64 count of the seq_len targets per source of the pool (see `lmforge.data.sources`)."""
 
 
 def segments_from_doc_starts(starts: Sequence[int], seq_len: int) -> list[int]:
@@ -53,6 +56,7 @@ def pack_windows(windows: Sequence[Window]) -> MicroBatch:
     if not windows:
         raise ValueError("a micro-batch needs at least one window")
     inputs, targets, masks, seg_lens = [], [], [], []
+    sources = [w.source_tokens for w in windows if w.source_tokens is not None]
     for w in windows:
         n = len(w.tokens) - 1
         if sum(w.seg_lens) != n:
@@ -62,13 +66,16 @@ def pack_windows(windows: Sequence[Window]) -> MicroBatch:
         masks.append(np.ones(n, dtype=bool) if w.loss_mask is None else w.loss_mask)
         seg_lens.extend(int(s) for s in w.seg_lens)
     lens = np.asarray(seg_lens, dtype=np.int32)
-    return {
+    batch = {
         "input_ids": _row(np.concatenate(inputs).astype(np.int64)),
         "target_ids": _row(np.concatenate(targets).astype(np.int64)),
         "position_ids": _row(positions_from_seq_lens(lens)),
         "loss_mask": _row(np.concatenate(masks).astype(bool)),
         "seq_lens": torch.from_numpy(lens),
     }
+    if sources:
+        batch["source_tokens"] = torch.from_numpy(np.sum(sources, axis=0, dtype=np.int64))
+    return batch
 
 
 def _row(values: np.ndarray) -> Tensor:

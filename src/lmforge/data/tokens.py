@@ -19,6 +19,7 @@ import numpy as np
 from lmforge.config.data import TokensDataConfig
 from lmforge.data.batch import MicroBatch, StepLayout, Window, pack_windows, segments_from_doc_starts
 from lmforge.data.shards import ShardError, ShardPool
+from lmforge.data.sources import SourceMap
 from lmforge.data.tokenizer import TokenizerInfo
 
 
@@ -45,6 +46,8 @@ class TokenData:
         self.cfg = cfg
         self.layout = StepLayout.from_tokens(cfg.seq_len, cfg.batch_tokens, cfg.micro_batch_tokens, rank, world_size)
         self.pool = ShardPool([Path(p) for p in cfg.paths])
+        self.sources = SourceMap.for_pool(self.pool, [Path(p) for p in cfg.paths])
+        """Per-source token counts of the windows, when a folder is a mixture (None otherwise)."""
         self.vocab_size = tokenizer.size
         check_shards(self.pool, tokenizer)
         if self.pool.num_tokens < cfg.seq_len + 1:
@@ -106,7 +109,9 @@ class TokenData:
             else [self.cfg.seq_len]
         )
         mask = loss[1:].astype(bool) if loss is not None else None
-        return Window(tokens, seg_lens, mask)
+        # The window trains on its targets, pool positions start + 1 .. start + seq_len.
+        counts = self.sources.count(start + 1, self.cfg.seq_len) if self.sources is not None else None
+        return Window(tokens, seg_lens, mask, counts)
 
     def next_step(self) -> list[MicroBatch]:
         """This rank's micro-batches of the next step."""

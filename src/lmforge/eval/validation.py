@@ -2,6 +2,10 @@
 context lengths), on `ctxcont` and `pairs` set files (accuracy by log-likelihood, see `lmforge.eval`), and on SFT's
 held-out samples (`val.data`: loss and perplexity over their loss tokens).
 
+A held-out token folder written by `lmforge mix` is also scored per source: its documents are grouped by the
+source they came from and each group is scored as a set of its own, `val/<set>/<source>/<metric>@<length>`; the
+whole set's figures are the sums over its sources (every document is scored once).
+
 Every document of a set is cut into consecutive chunks of L tokens (L in `val.seq_lens`); within a chunk each
 token after the first is scored given the ones before it, so every token of the set except the first of each chunk
 is scored exactly once. Chunks are packed as separate segments (document masking) into rows of exactly
@@ -31,6 +35,7 @@ from lmforge.data.batch import MicroBatch, Window, pack_windows, padding_window
 from lmforge.data.packing import fill_bins
 from lmforge.data.sft import SampleSet, load_samples
 from lmforge.data.shards import ShardPool
+from lmforge.data.sources import SourceMap
 from lmforge.data.tokenizer import TokenizerInfo
 from lmforge.eval.scoring import ScoringRow, pack_requests, score_requests
 from lmforge.eval.sets import EvalSet, Request, build_requests, fit_requests, ppl_tokens, read_eval_dir, set_metrics
@@ -95,6 +100,22 @@ def chunk_rows(tokens: np.ndarray, doc_starts: np.ndarray, seq_len: int, row_tok
     return rows
 
 
+def split_by_source(name: str, tokens: np.ndarray, doc_starts: np.ndarray, doc_sources: np.ndarray,
+                    source_names: tuple[str, ...]) -> list[tuple[str, np.ndarray, np.ndarray]]:  # fmt: skip
+    """The documents of a set (`tokens` with `doc_starts` inside it) grouped by source, each group as
+    (`<name>/<source>`, its tokens, its document starts); sources without documents are left out."""
+    bounds = np.concatenate([[0], doc_starts, [len(tokens)]]).astype(np.int64)
+    groups = []
+    for index, source in enumerate(source_names):
+        docs = np.flatnonzero(doc_sources == index)
+        if len(docs) == 0:
+            continue
+        lengths = bounds[docs + 1] - bounds[docs]
+        picked = np.concatenate([tokens[bounds[d] : bounds[d + 1]] for d in docs.tolist()])
+        groups.append((f"{name}/{source}", picked, np.cumsum(lengths)[:-1]))
+    return groups
+
+
 def sample_rows(samples: SampleSet, row_tokens: int) -> list[_Row]:
     """Held-out SFT samples packed in order into scoring rows of `row_tokens` positions."""
     bins = fill_bins(samples.positions.tolist(), row_tokens)
@@ -143,6 +164,8 @@ class Validator:
             raise ConfigError("validation needs tokenizer.name (bits per byte count the bytes each token stands for)")
         self.rows: dict[tuple[str, int], list[_Row]] = {}
         self.choices: dict[tuple[str, int], _ChoiceRows] = {}
+        self.combined: dict[tuple[str, int], list[tuple[str, int]]] = {}
+        """A mixture set's (name, length) -> its sources' keys in `rows`, whose sums make the whole set's."""
         nbytes = token_bytes(tokenizer) if cfg.sets else np.zeros(0, dtype=np.int64)
         files = {s.name: s for s in read_eval_dir(cfg.data_dir)} if cfg.data_dir else {}
         for s in cfg.sets:
@@ -151,8 +174,15 @@ class Validator:
                 continue
             pool = ShardPool([Path(s.path)])
             tokens, doc_starts, _ = pool.read(0, pool.num_tokens)
+            sources = SourceMap.for_pool(pool, [Path(s.path)])
+            groups = [(s.name, tokens, doc_starts)] if sources is None else split_by_source(
+                s.name, tokens, doc_starts, sources.document_sources(), sources.names
+            )  # fmt: skip
             for seq_len in self.seq_lens:
-                self.rows[(s.name, seq_len)] = chunk_rows(tokens, doc_starts, seq_len, row_tokens, nbytes)
+                for name, group_tokens, group_starts in groups:
+                    self.rows[(name, seq_len)] = chunk_rows(group_tokens, group_starts, seq_len, row_tokens, nbytes)
+                if sources is not None:
+                    self.combined[(s.name, seq_len)] = [(name, seq_len) for name, _, _ in groups]
         if cfg.data:
             assert isinstance(data, SFTDataConfig), "val.data needs data.type = 'sft' (checked with the config)"
             if row_tokens < data.seq_len:
@@ -224,7 +254,10 @@ class Validator:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(total)
         out: dict[str, float] = {}
-        for (name, seq_len), (loss_sum, count, nbytes) in zip(keys, total.tolist(), strict=True):
+        results = dict(zip(keys, total.tolist(), strict=True))
+        for key, parts in self.combined.items():
+            results[key] = [sum(values) for values in zip(*(results[p] for p in parts), strict=True)]
+        for (name, seq_len), (loss_sum, count, nbytes) in results.items():
             mean = loss_sum / max(count, 1.0)
             if seq_len == SAMPLES:
                 out["val/loss"], out["val/perplexity"] = mean, math.exp(min(mean, 80.0))

@@ -3,8 +3,10 @@
 The trainer writes `<run>/snapshots/step_N/` every `eval_snapshots.interval` steps and at the last step (renamed
 into place once complete). The worker, on its own processes (plain or under torchrun, on other GPUs), builds the
 model and the validation sets once from the run's `config.toml`, then repeatedly takes the oldest complete
-snapshot, loads it into the model, runs one validation round, appends the metrics to `<run>/metrics.jsonl` at the
-snapshot's step, marks the snapshot scored and deletes it. It stops after the snapshot of the run's last step.
+snapshot, loads it into the model, runs one validation round, logs the metrics at the snapshot's step to
+`<run>/metrics.jsonl` and, when the run's config has `[wandb]`, to a W&B run of its own beside the training's
+(`<name>-eval`, see `lmforge.monitor.wandb`), marks the snapshot scored and deletes it. It stops after the
+snapshot of the run's last step.
 A worker killed and started again continues with the snapshots still there; one killed after logging but before
 deleting finds the mark and deletes the snapshot without scoring it again.
 """
@@ -55,7 +57,8 @@ def run_worker(run: Path, config: TrainConfig, poll_seconds: float = 10.0, lates
 
     from lmforge.data import load_tokenizer
     from lmforge.eval.validation import Validator
-    from lmforge.monitor import JsonlMonitor
+    from lmforge.monitor import JsonlMonitor, Monitors
+    from lmforge.monitor.wandb import WandbMonitor
     from lmforge.parallel import init_distributed, shutdown_distributed
     from lmforge.runtime.checkpoint import SNAPSHOTS, load_model_state, step_name
     from lmforge.runtime.model_setup import build_run_model
@@ -66,7 +69,12 @@ def run_worker(run: Path, config: TrainConfig, poll_seconds: float = 10.0, lates
         tokenizer = load_tokenizer(config.tokenizer.name) if config.tokenizer.name else None
         model = build_run_model(config, tokenizer, ctx)
         validator = Validator(config.val, config.data, tokenizer, ctx.rank, ctx.world_size)
-        monitor = JsonlMonitor(run / "metrics.jsonl") if ctx.is_main else None
+        monitor = None
+        if ctx.is_main:
+            monitor = Monitors([JsonlMonitor(run / "metrics.jsonl")])
+            if config.wandb.enabled:
+                dumped = config.model_dump(mode="json", by_alias=True)
+                monitor.monitors.append(WandbMonitor(config.wandb, run, dumped, job="eval"))
         root, scored = run / SNAPSHOTS, 0
         while limit is None or scored < limit:
             steps = pending_snapshots(root)

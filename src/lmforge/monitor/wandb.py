@@ -14,6 +14,9 @@ from lmforge.config.wandb import WandbConfig
 RUN_ID_FILE = "wandb_run_id"
 """File in the run directory holding the W&B run id, so that a resumed run logs to the same W&B run."""
 
+EVAL_RUN_ID_FILE = "wandb_eval_run_id"
+"""File in the run directory holding the id of the W&B run of `lmforge eval`, continued when the worker restarts."""
+
 MOE_SECTIONS = ("max_vio", "expert_load")
 """Metric sections of mixture-of-experts layers; W&B shows them inside a `moe/` section (see `wandb_key`)."""
 
@@ -53,9 +56,15 @@ class WandbMonitor:
     the checkpoint and the previous attempt's last logged step keep the previous attempt's values in W&B.
     """
 
-    def __init__(self, cfg: WandbConfig, run_dir: Path, config: dict[str, Any], start_step: int = 0) -> None:
+    def __init__(self, cfg: WandbConfig, run_dir: Path, config: dict[str, Any], start_step: int = 0,
+                 job: str = "train") -> None:  # fmt: skip
         """Start (or continue) the W&B run of the training run in `run_dir`; `config` is the run's resolved config
-        (JSON types), stored as the W&B config, and `start_step` the step training starts from."""
+        (JSON types), stored as the W&B config, and `start_step` the step training starts from.
+
+        With `job = "eval"` (the eval worker beside the training), the W&B run is a second one, `<name>-eval` in the
+        same project and group, job type `eval`, whose config also holds `train_run_id`, the training's W&B run id:
+        two processes cannot append to one W&B run's history. Its steps are the snapshots' training steps. It is
+        continued whenever `wandb_eval_run_id` exists (a restarted worker goes on where it was)."""
         self.run: Any = None
         if not cfg.enabled:
             return
@@ -66,16 +75,23 @@ class WandbMonitor:
                 "[wandb] project is set but the wandb package is not installed: pip install 'lmforge[wandb]'"
             ) from e
         run_dir = Path(run_dir)
-        id_file = run_dir / RUN_ID_FILE
-        run_id = id_file.read_text(encoding="utf-8").strip() if start_step > 0 and id_file.exists() else ""
+        evaluating = job == "eval"
+        id_file = run_dir / (EVAL_RUN_ID_FILE if evaluating else RUN_ID_FILE)
+        resume = evaluating or start_step > 0
+        run_id = id_file.read_text(encoding="utf-8").strip() if resume and id_file.exists() else ""
+        if evaluating:
+            train_id = run_dir / RUN_ID_FILE
+            config = {**config, "train_run_id": train_id.read_text().strip() if train_id.exists() else None}
+        name = cfg.name or run_dir.resolve().name
         root = Path(cfg.dir) if cfg.dir is not None else run_dir
         for folder in (run_dir, root):
             folder.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
             project=cfg.project,
             entity=cfg.entity,
-            name=cfg.name or run_dir.resolve().name,
+            name=f"{name}-eval" if evaluating else name,
             group=cfg.group,
+            job_type=job,
             tags=cfg.tags,
             mode=cfg.mode,
             dir=root,

@@ -22,6 +22,7 @@ from lmforge.data import TokenizerInfo, build_step_data, load_tokenizer
 from lmforge.data.batch import MicroBatch
 from lmforge.data.prefetch import Prefetcher
 from lmforge.data.stream import DataSummary, open_stream, summarize
+from lmforge.data.tokens import TokenData
 from lmforge.eval.validation import Validator
 from lmforge.model.attention import describe_backend
 from lmforge.model.completep import role_scales
@@ -43,6 +44,7 @@ from lmforge.train.metrics import peak_memory_gib, perplexity, reduce_step_stats
 from lmforge.train.micro_batches import MicroBatchStats, rerun_without_nonfinite, run_micro_batches
 from lmforge.train.preemption import StopRequest
 from lmforge.train.reporting import Reporting, build_monitors
+from lmforge.train.sources import SourceShares
 
 
 class Trainer:
@@ -117,6 +119,8 @@ class Trainer:
             vocab = self.model.vocab_size
             write_model_files(self.run_dir / MODEL_FILES, arch, vocab, self.tokenizer, init_std=config.model.init.std)
         self.callbacks = self._configured_callbacks(balancer)
+        if isinstance(source, TokenData) and source.sources is not None:
+            self.callbacks.append(SourceShares(source.sources.names))
         self.flops = FlopCounter(self.model, arch.num_hidden_layers, arch.num_attention_heads, arch.dim_per_head)
         self.peak_flops = peak_flops(ctx.device)
         self.params = param_counts(self.model)
