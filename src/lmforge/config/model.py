@@ -103,7 +103,7 @@ class ModelConfig(Section):
 
     loss_chunk_tokens: int | Literal["auto"] = "auto"
     """Compute the LM head and cross-entropy this many tokens at a time, the gradient with the loss, never holding
-    the full [tokens, vocab] logits (same loss and gradients, faster on the CPU); 0 computes all logits at once;
+    the full [tokens, vocab] logits (same loss and gradients, a fraction of the memory); 0 computes all logits at once;
     `auto` is 512 on the CPU and 0 on CUDA."""
 
     compile: bool = False

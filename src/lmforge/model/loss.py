@@ -6,8 +6,8 @@ dtype, as `F.linear` does, then fp32), their cross-entropy and at once their gra
 gradients of the hidden states and of the head's weight before the next chunk. So the peak is chunk x vocab, no
 matmul is recomputed in backward (the backward only scales the stored gradients by the upstream one), and the
 softmax is computed once instead of three passes over the full logits (log-softmax, its backward, the NLL's
-backward), which makes it faster than the plain path as well as smaller. Loss and gradients equal the plain
-path's up to rounding. Nothing in it reads a value back to the host.
+backward). Loss and gradients equal the plain path's up to rounding. Nothing in it reads a value back to the
+host.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ IGNORE_INDEX = -100
 """Target id of a position that is not a loss token."""
 
 CPU_LOSS_CHUNK_TOKENS = 512
-"""`loss_chunk_tokens = "auto"` on the CPU: with vocabulary 8192 and 4096 tokens, loss and gradient take 0.57x the
-plain path's time at 512 tokens a chunk (128-2048 measured; 512 fastest), since a chunk's logits stay in cache."""
+"""`loss_chunk_tokens = "auto"` on the CPU. With vocabulary 8192 and 4096 tokens, loss and gradients took 305 ms
+against 294 ms for the full logits when freed memory is kept (as CPU runs do, `lmforge.runtime.host_memory`), and
+337 against 434 ms when it is not; 512 was the fastest of 128-2048. Kept for the memory: a chunk's logits instead
+of all of them, with their gradient."""
 
 
 def resolve_loss_chunk(setting: int | Literal["auto"], device: torch.device) -> int:

@@ -10,7 +10,7 @@ their source labels), so any window of the pool is a mixture, and written as one
 
 Tokens are never read whole: the sources stay memory-mapped and `lmforge.prep.pool_writer` gathers the pool in
 chunks of at most `CHUNK_TOKENS` tokens, while a writer thread appends the previous chunk to the files. What is held
-in memory grows with the number of documents (about 40 bytes each), not with the tokens. The pool is written into a
+in memory grows with the number of documents (about 55 bytes each), not with the tokens. The pool is written into a
 hidden sibling folder and renamed into place at the end, so an interrupted run never leaves a folder that looks
 complete.
 """
