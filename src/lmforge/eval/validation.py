@@ -104,15 +104,13 @@ def split_by_source(name: str, tokens: np.ndarray, doc_starts: np.ndarray, doc_s
                     source_names: tuple[str, ...]) -> list[tuple[str, np.ndarray, np.ndarray]]:  # fmt: skip
     """The documents of a set (`tokens` with `doc_starts` inside it) grouped by source, each group as
     (`<name>/<source>`, its tokens, its document starts); sources without documents are left out."""
-    bounds = np.concatenate([[0], doc_starts, [len(tokens)]]).astype(np.int64)
+    lengths = np.diff(np.concatenate([[0], doc_starts, [len(tokens)]]).astype(np.int64))
+    token_sources = np.repeat(doc_sources, lengths)
     groups = []
     for index, source in enumerate(source_names):
-        docs = np.flatnonzero(doc_sources == index)
-        if len(docs) == 0:
-            continue
-        lengths = bounds[docs + 1] - bounds[docs]
-        picked = np.concatenate([tokens[bounds[d] : bounds[d + 1]] for d in docs.tolist()])
-        groups.append((f"{name}/{source}", picked, np.cumsum(lengths)[:-1]))
+        mine = doc_sources == index
+        if mine.any():
+            groups.append((f"{name}/{source}", tokens[token_sources == index], np.cumsum(lengths[mine])[:-1]))
     return groups
 
 
