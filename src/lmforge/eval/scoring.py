@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from lmforge.data.batch import MicroBatch, Window, pack_windows, padding_window
 from lmforge.data.packing import fill_bins
@@ -77,6 +77,17 @@ def score_requests(
     (`CausalLM.forward(..., per_token=True)`); the whole model is called (not its parts) so that FSDP2 gathers the
     LM head as in training. Training mode is restored afterwards.
     """
+    totals = request_loglik_sums(model, rows, n_requests, device, rank, world_size)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(totals)
+    return totals[:n_requests].cpu().numpy()
+
+
+def request_loglik_sums(
+    model: nn.Module, rows: Sequence[ScoringRow], n_requests: int, device: torch.device, rank: int, world_size: int
+) -> Tensor:
+    """This rank's share of `score_requests`, before the reduction: float64 [n_requests + 1] on the device (the last
+    slot collects the unscored positions). Nothing is read on the host."""
     was_training = model.training
     model.eval()
     # One slot more than there are requests: unscored positions add into it, so no masking (a host sync) is needed.
@@ -96,6 +107,4 @@ def score_requests(
             totals.index_add_(0, slots, -ce.double())
     finally:
         model.train(was_training)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(totals)
-    return totals[:n_requests].cpu().numpy()
+    return totals

@@ -212,6 +212,31 @@ class Validator:
         return Path(run_dir) / "val_arrays" / f"step_{step}"
 
     @torch.no_grad()
+    def token_sums(self, model: torch.nn.Module, device: torch.device) -> torch.Tensor:
+        """float64 [len(self.rows), 3] on the device: this rank's loss sum, scored tokens and scored bytes of each
+        (set, length) of `self.rows`, in its order. The model is called as it is (`evaluate` sets its mode and
+        chunking); nothing is read on the host."""
+        sums = []
+        for rows in self.rows.values():
+            loss = torch.zeros((), device=device, dtype=torch.float64)
+            tokens = scored_bytes = 0
+            # Every rank runs the same number of forwards (FSDP all-gathers in each); a rank without a row of its
+            # own scores a copy of row 0 and counts nothing from it.
+            for turn in range(math.ceil(len(rows) / self.world_size)):
+                i = turn * self.world_size + self.rank
+                own = i < len(rows)
+                row = rows[i if own else 0]
+                mb = {k: v if k == "seq_lens" else v.to(device) for k, v in row.batch.items()}
+                targets = mb["target_ids"].masked_fill(~mb["loss_mask"], IGNORE_INDEX)
+                value = model(mb["input_ids"], mb["position_ids"], mb["seq_lens"], targets=targets)
+                if own:
+                    loss += value.double()
+                    tokens += int(row.batch["loss_mask"].sum())  # the host copy: no device read
+                    scored_bytes += row.scored_bytes
+            counts = torch.tensor([float(tokens), float(scored_bytes)], device=device, dtype=torch.float64)
+            sums.append(torch.cat([loss.reshape(1), counts]))
+        return torch.stack(sums) if sums else torch.zeros(0, 3, dtype=torch.float64, device=device)
+
     def evaluate(self, model: torch.nn.Module, device: torch.device, arrays: Path | None = None) -> dict[str, float]:
         """One round over every set and context length: `val/<set>/{loss,ppl,bpb}@<L>`, `val/<set>/acc@<L>` (and
         `acc_norm` for ctxcont), `val/loss` and `val/perplexity` (held-out samples), and `time/val`. With `arrays`,
@@ -220,27 +245,8 @@ class Validator:
         was_training, chunk = model.training, getattr(model, "loss_chunk_tokens", 0)
         model.eval()
         model.loss_chunk_tokens = SCORING_CHUNK  # fp32 logits, chunk by chunk
-        keys, sums = [], []
         try:
-            for (name, seq_len), rows in self.rows.items():
-                loss = torch.zeros((), device=device, dtype=torch.float64)
-                tokens = scored_bytes = 0
-                # Every rank runs the same number of forwards (FSDP all-gathers in each); a rank without a row
-                # of its own scores a copy of row 0 and counts nothing from it.
-                for turn in range(math.ceil(len(rows) / self.world_size)):
-                    i = turn * self.world_size + self.rank
-                    own = i < len(rows)
-                    row = rows[i if own else 0]
-                    mb = {k: v if k == "seq_lens" else v.to(device) for k, v in row.batch.items()}
-                    targets = mb["target_ids"].masked_fill(~mb["loss_mask"], IGNORE_INDEX)
-                    value = model(mb["input_ids"], mb["position_ids"], mb["seq_lens"], targets=targets)
-                    if own:
-                        loss += value.double()
-                        tokens += int(row.batch["loss_mask"].sum())
-                        scored_bytes += row.scored_bytes
-                keys.append((name, seq_len))
-                counts = torch.tensor([float(tokens), float(scored_bytes)], device=device, dtype=torch.float64)
-                sums.append(torch.cat([loss.reshape(1), counts]))
+            total = self.token_sums(model, device)
             logliks = {
                 key: score_requests(model, choice.rows, len(choice.requests), device, self.rank, self.world_size)
                 for key, choice in self.choices.items()
@@ -248,11 +254,10 @@ class Validator:
         finally:
             model.loss_chunk_tokens = chunk
             model.train(was_training)
-        total = torch.stack(sums) if sums else torch.zeros(0, 3, dtype=torch.float64, device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(total)
         out: dict[str, float] = {}
-        results = dict(zip(keys, total.tolist(), strict=True))
+        results = dict(zip(self.rows, total.tolist(), strict=True))
         for key, parts in self.combined.items():
             results[key] = [sum(values) for values in zip(*(results[p] for p in parts), strict=True)]
         for (name, seq_len), (loss_sum, count, nbytes) in results.items():

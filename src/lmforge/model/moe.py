@@ -162,6 +162,8 @@ class Experts(nn.Module):
         return grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offsets)
 
     def _loop(self, xs: Tensor, counts: Tensor) -> Tensor:
+        # The per-expert reference reads the group sizes on the host: one device sync per MoE layer and forward on
+        # CUDA. `auto` takes it only for sizes `_grouped_mm` cannot take (see `_use_grouped_mm`).
         outs = []
         for e, chunk in enumerate(xs.split(counts.tolist())):
             gate, up = F.linear(chunk, self.gate_up_proj[e]).chunk(2, dim=-1)

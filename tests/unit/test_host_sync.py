@@ -1,0 +1,295 @@
+"""Nothing in a step's micro-batch loop, or in a validation round's scoring loops, waits on the host.
+
+`tests.host_sync.HostSyncDetector` records every op that would read a device value on the host on CUDA. These tests
+run whole `train_step`s (dense, MoE with grouped experts, chunked loss, activation checkpointing, deferred gradient
+sync, SFT), one validation round (token sets, ppl, ctxcont and pairs sets, held-out SFT samples) on one process and
+on two, and fail naming the line of any such op. The once-per-step reduction after the loop reads its sums on the
+host by design and is not checked.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import lmforge.eval.scoring as scoring
+import lmforge.train.micro_batches as micro_batches
+import lmforge.train.trainer as trainer_module
+from lmforge.config import TrainConfig
+from lmforge.eval.validation import Validator
+from lmforge.model import build_model
+from lmforge.model.init import init_weights
+from lmforge.model.moe import Experts
+from lmforge.parallel import DistContext, init_distributed
+from lmforge.train.callbacks import Validation
+from lmforge.train.trainer import Trainer
+from tests.chat import chat_tokenizer, conversation, write_jsonl
+from tests.conftest import tiny_llama
+from tests.host_sync import HostSyncDetector, checked
+from tests.shards import random_docs, word_tokenizer, write_shard
+from tests.spawn import run_ranks
+from tests.unit.test_micro_batches import make_batches
+from tests.unit.test_moe import tiny_glm
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def ctx() -> Iterator[DistContext]:
+    yield init_distributed()
+
+
+def test_an_injected_item_and_mask_index_are_caught_with_their_lines(
+    ctx: DistContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = build_model(tiny_llama(), 128, "sdpa", CPU)
+    init_weights(model, 0.02, 0)
+    lines = {}
+    plain = micro_batches.token_loss_sum
+
+    def leaky_loss(model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = plain(model, mb)
+        lines["item"] = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+        loss.item()
+        lines["mask"] = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+        _ = mb["target_ids"][mb["loss_mask"]]
+        mb["seq_lens"].tolist()  # seq_lens stays on the host: reading it is free
+        mb["loss_mask"].sum().tolist()
+        return loss
+
+    monkeypatch.setattr(micro_batches, "token_loss_sum", leaky_loss)
+    detector = HostSyncDetector()
+    detector.watch_module(model)
+    with detector:
+        micro_batches.run_micro_batches(model, make_batches(2), CPU)
+    here = Path(__file__).relative_to(Path(__file__).parents[2])
+    found = [(e.op, e.where) for e in detector.events]
+    expected = [
+        ("aten._local_scalar_dense.default", f"{here}:{lines['item']}"),
+        ("aten.index.Tensor", f"{here}:{lines['mask']}"),
+        ("Tensor.tolist", f"{here}:{lines['mask'] + 2}"),
+    ]
+    assert found == expected * 2
+    assert f"{here}:{lines['item']}" in detector.report()
+
+
+def test_uploads_and_device_factories_are_device_tensors_and_host_copies_stay_host(ctx: DistContext) -> None:
+    detector = HostSyncDetector()
+    host = torch.arange(6)
+    with detector:
+        on_device = host.to(CPU)
+        host.sum().item()  # a host tensor: free
+        assert not detector.events
+        assert on_device is not host and detector.is_device(on_device) and not detector.is_device(host)
+        (on_device * 2)[0].item()
+        made = torch.zeros(3, device=CPU)
+        bool(made.any())
+        torch.zeros(3, device="cpu").sum().item()  # the string "cpu" names the host
+        nz = on_device.nonzero()
+        counts = torch.ones(2, dtype=torch.long, device=CPU)
+        torch.repeat_interleave(counts)
+        torch.repeat_interleave(counts, output_size=2)  # sized: no read
+        on_device.cpu()
+    assert [e.op for e in detector.events] == [
+        "aten._local_scalar_dense.default",
+        "aten._local_scalar_dense.default",
+        "aten.nonzero.default",
+        "aten.repeat_interleave.Tensor",
+        "Tensor.cpu",
+    ]
+    assert detector.is_device(nz)
+
+
+def _config(tmp: Path, **overrides: Any) -> TrainConfig:
+    raw: dict[str, Any] = {
+        "max_steps": 2,
+        "output_dir": str(tmp / "run"),
+        "model": {"arch": tiny_llama().model_dump()},
+        "data": {
+            "type": "fake",
+            "seq_len": 32,
+            "batch_tokens": 256,
+            "micro_batch_tokens": 64,
+            "vocab_size": 100,
+            "mean_doc_len": 12.0,
+        },
+        "optim": {"lr": 1e-3},
+        "schedule": {"warmup": 0.0, "decay": 0.0},
+    }
+    for key, value in overrides.items():
+        merge = isinstance(raw.get(key), dict) and "type" not in value  # a new data type replaces the section
+        raw[key] = {**raw[key], **value} if merge else value
+    return TrainConfig.model_validate(raw)
+
+
+def _val_files(tmp: Path) -> dict[str, Any]:
+    """A word tokenizer, a held-out token folder and ppl / ctxcont / pairs set files: `[val]` and `[tokenizer]`."""
+    tok = word_tokenizer(tmp / "tok", size=100)
+    write_shard(tmp / "held", "00000", random_docs(20, seed=5, vocab=100))
+    sets, rng = tmp / "sets", np.random.default_rng(0)
+    words = lambda n: " ".join(f"w{i}" for i in rng.integers(1, 99, size=n))  # noqa: E731
+    write_jsonl(sets / "words.ppl.jsonl", [{"text": words(int(n))} for n in rng.integers(3, 40, size=6)])
+    quiz = [
+        {"context": words(5), "continuations": [" " + words(2) for _ in range(3)], "label": i % 3} for i in range(5)
+    ]
+    write_jsonl(sets / "quiz.ctxcont.jsonl", quiz)
+    write_jsonl(sets / "minimal.pairs.jsonl", [{"good": words(4), "bad": words(4)} for _ in range(4)])
+    return {
+        "tokenizer": {"name": str(tok)},
+        "val": {
+            "sets": [{"name": "held", "path": str(tmp / "held")}, "words", "quiz", "minimal"],
+            "data_dir": str(sets),
+            "seq_lens": [16, 64],
+            "micro_batch_tokens": 64,
+        },
+    }
+
+
+def _sft_files(tmp: Path) -> dict[str, Any]:
+    """A chat tokenizer, SFT training and held-out files: `[data]`, `[val]` and `[tokenizer]` of an SFT run."""
+    tok = chat_tokenizer(tmp / "chat_tok")
+    rows = [{"messages": conversation(i, turns=1 + i % 2, system=i % 3 == 0)} for i in range(24)]
+    write_jsonl(tmp / "chat" / "train.jsonl", rows[:16])
+    write_jsonl(tmp / "chat" / "val.jsonl", rows[16:])
+    return {
+        "tokenizer": {"name": str(tok)},
+        "data": {
+            "type": "sft",
+            "paths": [str(tmp / "chat" / "train.jsonl")],
+            "seq_len": 64,
+            "batch_tokens": 256,
+            "micro_batch_tokens": 128,
+            "max_epochs": 20,
+        },
+        "val": {"data": str(tmp / "chat" / "val.jsonl")},
+    }
+
+
+CASES: dict[str, Any] = {
+    "dense": lambda tmp: {},
+    "chunked-loss": lambda tmp: {"model": {"arch": tiny_llama().model_dump(), "loss_chunk_tokens": 16}},
+    "selective-ac": lambda tmp: {"model": {"arch": tiny_llama().model_dump(), "ac": {"mode": "selective"}}},
+    "full-ac": lambda tmp: {"model": {"arch": tiny_llama().model_dump(), "ac": {"mode": "full"}}},
+    "moe-grouped": lambda tmp: {"model": {"arch": tiny_glm().model_dump(), "moe_balance": {"seq_aux_coeff": 1e-3}}},
+    "moe-loop": lambda tmp: {"model": {"arch": tiny_glm().model_dump()}},
+    "validation": _val_files,
+    "sft": _sft_files,
+}
+
+
+LOOP_READ = "Tensor.tolist at src/lmforge/model/moe.py"
+"""The one host read the checks expect: the per-expert `loop` reference reads the expert sizes (see `Experts`)."""
+
+
+def build(config: TrainConfig, ctx: DistContext, case: str) -> Trainer:
+    """The case's trainer; `moe-loop` runs its experts through the per-expert loop (a known host read, which shows
+    that the detector sees inside the model as the trainer runs it)."""
+    trainer = Trainer(config, ctx, console=False)
+    if case.startswith("moe-loop"):
+        for module in trainer.model.modules():
+            if isinstance(module, Experts):
+                module.impl = "loop"
+    return trainer
+
+
+def reads(detector: HostSyncDetector) -> list[str]:
+    """The recorded host reads as `op at file:line`."""
+    return [f"{e.op} at {e.where}" for e in detector.events]
+
+
+def expected_reads(case: str, found: list[str]) -> bool:
+    """No read at all, or for `moe-loop` only the loop's own (at least one per MoE layer and micro-batch)."""
+    if not case.startswith("moe-loop"):
+        return not found
+    return len(found) >= 8 and all(f.startswith(LOOP_READ) for f in found)
+
+
+def watch(trainer: Trainer, monkeypatch: pytest.MonkeyPatch) -> HostSyncDetector:
+    """A detector over the trainer's model, put around the micro-batch loop and the validation scoring loops."""
+    detector = HostSyncDetector()
+    detector.watch_module(trainer.model)
+    monkeypatch.setattr(trainer_module, "run_micro_batches", checked(detector, micro_batches.run_micro_batches))
+    monkeypatch.setattr(Validator, "token_sums", checked(detector, Validator.token_sums))
+    monkeypatch.setattr(scoring, "request_loglik_sums", checked(detector, scoring.request_loglik_sums))
+    return detector
+
+
+def run_checked(trainer: Trainer, monkeypatch: pytest.MonkeyPatch) -> tuple[HostSyncDetector, list[str]]:
+    """Two steps, then a validation round where the run has one; the detector and the metric names seen."""
+    detector = watch(trainer, monkeypatch)
+    names: list[str] = []
+    try:
+        for _ in range(2):
+            names += trainer.train_step(trainer.data.next_step(), 0.0)
+        for cb in trainer.callbacks:
+            if isinstance(cb, Validation):
+                names += cb.validator.evaluate(trainer.model, trainer.ctx.device)
+    finally:
+        detector.close()
+        trainer.close()
+    return detector, names
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_process_steps_and_validation_never_read_the_device(
+    ctx: DistContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None, case: str
+) -> None:
+    trainer = build(_config(tmp_path, **CASES[case](tmp_path)), ctx, case)
+    detector, names = run_checked(trainer, monkeypatch)
+    assert expected_reads(case, reads(detector)), detector.report()
+    # The checked loops did run: the step's loss, and each case's own metrics.
+    assert "loss/mean" in names
+    if case == "validation":
+        assert {"val/held/loss@16", "val/words/bpb@64", "val/quiz/acc_norm@64", "val/minimal/acc@16"} <= set(names)
+    if case == "sft":
+        assert "val/loss" in names
+    if case == "moe-grouped":
+        assert any(n.startswith("moe/") for n in names)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_rank_worker(rank: int, port: int, tmp: str) -> None:
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    os.environ.update(env, WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    from lmforge.parallel import shutdown_distributed
+
+    ctx = init_distributed(timeout_minutes=2)
+    found: dict[str, list[str]] = {}
+    tmp_path = Path(tmp)
+    cases = {
+        "dense": {"model": {"arch": tiny_llama().model_dump(), "param_dtype": "bfloat16"}},
+        "dense-deferred": {"model": {"arch": tiny_llama().model_dump(), "defer_grad_sync": True}},
+        "moe-grouped-deferred": {"model": {"arch": tiny_glm().model_dump(), "defer_grad_sync": True}},
+        "moe-loop": {"model": {"arch": tiny_glm().model_dump()}},
+        "validation": _val_files(tmp_path / f"files{rank}"),
+    }
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        for name, overrides in cases.items():
+            trainer = build(_config(tmp_path / name, **overrides), ctx, name)
+            detector, names = run_checked(trainer, monkeypatch)
+            found[name] = reads(detector) + (["no step"] * ("loss/mean" not in names))
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps(found))
+    shutdown_distributed()
+
+
+@pytest.mark.slow
+def test_two_processes_with_fsdp_never_read_the_device(tmp_path: Path) -> None:
+    results = run_ranks(_two_rank_worker, (_free_port(), str(tmp_path)), tmp_path, timeout=240)
+    for rank, found in enumerate(results):
+        assert set(found) == {"dense", "dense-deferred", "moe-grouped-deferred", "moe-loop", "validation"}
+        assert all(expected_reads(case, reads) for case, reads in found.items()), f"rank {rank}: {found}"
