@@ -109,6 +109,16 @@ class ModelConfig(Section):
     compile: bool = False
     """Compile each decoder block with torch.compile."""
 
+    fp8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """FP8 training of the decoder blocks' linear layers through torchao (docs/model.md#fp8-training-modelfp8):
+    `tensorwise` (one scale per tensor, float8 all-gather under FSDP) or `rowwise` (one scale per row). The
+    LM head, embeddings, MoE routers and experts, and layers whose dims are not multiples of 16 stay in
+    param_dtype. Needs a CUDA GPU of compute capability >= 8.9, or fp8_emulate."""
+
+    fp8_emulate: bool = False
+    """Run model.fp8's casts and scales with high-precision matmuls instead of FP8 kernels: FP8's rounding on any
+    device (tests, CPU runs), not its speed."""
+
     ac: ACConfig = ACConfig()
     """Activation checkpointing."""
 

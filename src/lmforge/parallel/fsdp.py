@@ -22,6 +22,12 @@ def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
+def fsdp_wraps(cfg: ModelConfig, ctx: DistContext) -> bool:
+    """Whether `parallelize` shards the model with FSDP2: on more than one rank, or with low-precision parameters
+    (FSDP's mixed-precision policy keeps the fp32 master weights)."""
+    return ctx.world_size > 1 or resolve_param_dtype(cfg.param_dtype, ctx.device) != torch.float32
+
+
 FULLGRAPH_BACKENDS = frozenset({"sdpa"})
 """Attention backends whose blocks compile with `fullgraph=True` (checked by tests/unit/test_compile.py)."""
 
@@ -63,7 +69,7 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], cfg: ModelConfig, ctx
             block.compile(fullgraph=fullgraph)
     param_dtype = resolve_param_dtype(cfg.param_dtype, ctx.device)
     on_meta = any(p.is_meta for p in model.parameters())
-    if ctx.world_size == 1 and param_dtype == torch.float32:
+    if not fsdp_wraps(cfg, ctx):
         if not on_meta:
             return model.to(ctx.device)
         model.to_empty(device=ctx.device)

@@ -9,9 +9,11 @@ from lmforge.config.loader import ConfigError
 from lmforge.config.train import TrainConfig
 from lmforge.data import TokenizerInfo
 from lmforge.model import build_model
+from lmforge.model.fp8 import apply_fp8, check_fp8_device
 from lmforge.model.llama import CausalLM
 from lmforge.model.loss import resolve_loss_chunk
 from lmforge.parallel import DistContext, parallelize
+from lmforge.parallel.fsdp import fsdp_wraps
 
 VOCAB_MULTIPLE = 128
 
@@ -43,12 +45,17 @@ def model_vocab_size(config: TrainConfig, tokenizer: TokenizerInfo | None) -> in
 
 
 def build_run_model(config: TrainConfig, tokenizer: TokenizerInfo | None, ctx: DistContext) -> CausalLM:
-    """The configured model, checkpointed, compiled and sharded (or moved) for this rank as `model` asks, with
-    uninitialized storage: the caller fills the weights (init, checkpoint or HF folder)."""
+    """The configured model, with FP8 linear layers, checkpointed, compiled and sharded (or moved) for this rank as
+    `model` asks, with uninitialized storage: the caller fills the weights (init, checkpoint or HF folder)."""
     arch = config.model.arch
     assert arch is not None, "model.arch is filled in from model.name when the config is loaded"
     vocab = model_vocab_size(config, tokenizer)
     model = build_model(arch, vocab, config.model.attn, ctx.device, meta=True, compiled=config.model.compile)
     model.loss_chunk_tokens = resolve_loss_chunk(config.model.loss_chunk_tokens, ctx.device)
+    if config.model.fp8 != "none":
+        # Before checkpointing, compilation and sharding, which wrap the converted layers.
+        check_fp8_device(config.model.fp8, config.model.fp8_emulate, ctx.device)
+        gather = fsdp_wraps(config.model, ctx)
+        apply_fp8(model.blocks, config.model.fp8, config.model.fp8_emulate, fsdp_all_gather=gather)
     parallelize(model, model.blocks, config.model, ctx)  # in place: the sharded model is the same object
     return model

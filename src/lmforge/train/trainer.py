@@ -26,6 +26,7 @@ from lmforge.data.tokens import TokenData
 from lmforge.eval.validation import Validator
 from lmforge.model.attention import describe_backend
 from lmforge.model.completep import role_scales
+from lmforge.model.fp8 import describe_fp8, precompute_fp8_scales, uses_fp8_all_gather
 from lmforge.model.init import init_weights
 from lmforge.model.llama import CausalLM
 from lmforge.model.roles import param_role
@@ -87,6 +88,8 @@ class Trainer:
     """Whether some rank asked to stop at the last step (known to every rank through the step's reduction)."""
     stopped_by: str | None
     """What ended the loop early (a signal name), None otherwise."""
+    fp8_all_gather: bool
+    """Whether FSDP all-gathers float8 weights, whose scales are precomputed after each optimizer step."""
 
     def __init__(
         self,
@@ -128,11 +131,14 @@ class Trainer:
         self.peak_flops = peak_flops(ctx.device)
         self.params = param_counts(self.model)
         self.log = rank_logger(self.run_dir, ctx.rank)
+        self.fp8_all_gather = uses_fp8_all_gather(self.model)
+        fp8 = describe_fp8(self.model)
         self.log.info(
-            "rank %d of %d on %s: %s, %s parameters, attention %s, %s%s",
+            "rank %d of %d on %s: %s, %s parameters, attention %s, %s%s%s",
             ctx.rank, ctx.world_size, ctx.device, arch.model_type, f"{self.params['params/total']:,.0f}",
             describe_backend(self.model.attn_backend, ctx.device),
             f"resumed from {resume_from}" if resume_from else "from scratch",
+            f", {fp8}" if fp8 else "",
             ", freed host memory kept for reuse (glibc mallopt)" if kept else "",
         )  # fmt: skip
         if config.val.sets or config.val.data:
@@ -212,6 +218,8 @@ class Trainer:
             sums.update(again)
         group_sq = {g["name"]: sums[f"grad_sq/{g['name']}"] for g in self.optimizer.param_groups}
         update = self.optimizer.update(self.step + 1, group_sq, sums["loss_tokens"] > 0)
+        if self.fp8_all_gather:
+            precompute_fp8_scales(self.model)  # the next forward's float8 all-gathers need the new weights' scales
         self.step += 1
         self.tokens_seen += int(sums["tokens"])
         return {**self._step_metrics(sums, maxes, update), **from_callbacks, **self._group_metrics(update)}
