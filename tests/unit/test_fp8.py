@@ -130,3 +130,19 @@ def test_two_processes_all_gather_float8_and_resume_exactly(tmp_path: Path) -> N
     result = run_cli(["train", "@", str(cfg), *flags, *resume], nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     assert losses(again) == runs["two"][3:]
+
+
+@pytest.mark.slow
+def test_compiled_blocks_train_with_fp8(ctx: DistContext, tmp_path: Path, one_thread: None) -> None:
+    model = {"arch": tiny_llama().model_dump(), "fp8": "tensorwise", "fp8_emulate": True}
+    results = []
+    for compiled in (False, True):
+        config = _config(tmp_path / str(compiled), max_steps=3, model={**model, "compile": compiled})
+        trainer = Trainer(config, ctx, console=False)
+        try:
+            results.append([trainer.train_step(trainer.data.next_step(), 0.0)["loss/mean"] for _ in range(3)])
+            assert len(fp8_layers(trainer.model)) == 14
+        finally:
+            trainer.close()
+    eager, compiled_losses = results
+    assert max(abs(a - b) / b for a, b in zip(eager, compiled_losses, strict=True)) < FP8_RTOL
