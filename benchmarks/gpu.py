@@ -1,44 +1,55 @@
-"""Single-GPU training throughput and MFU of lmforge on dense Llamas of ~125M, ~350M and ~1B parameters.
+"""Single-GPU training throughput and MFU of lmforge: dense Llamas of ~125M, ~350M and ~1B parameters in bf16, the
+1B again with FP8 linear layers (both recipes), and a fine-grained MoE.
 
-Each size trains in-process through lmforge's own step (`Trainer.train_step`, the step `lmforge train` runs: FSDP2
+Each row trains in-process through lmforge's own step (`Trainer.train_step`, the step `lmforge train` runs: FSDP2
 over one rank with bf16 parameters and fp32 master weights, the step statistics, the background data prefetcher),
 on fake data shaped like pretraining data: seq_len 4096, a 32768-token vocabulary, documents of geometric length
 (mean 1024 tokens) with document masking on. Defaults: bf16, AdamW (`--optim muon` for Muon), `torch.compile` of
 each block (`--no-compile`), the LM head and loss computed 4096 tokens at a time, `model.attn = "auto"` (flash,
 varlen or flex attention, whichever the machine has).
 
-| size | shape                                       | params | seq  | micro-batch | batch tokens | ac        |
-|------|---------------------------------------------|--------|------|-------------|--------------|-----------|
-| 125m | d768, 12 layers, 12 heads (MHA), ffn 2048   | 135M   | 4096 | 64K (16 w)  | 256K (4 mb)  | none      |
-| 350m | d1024, 24 layers, 16 heads (MHA), ffn 2816  | 375M   | 4096 | 32K (8 w)   | 256K (8 mb)  | none      |
-| 1b   | d2048, 16 layers, 32 heads, 8 KV, ffn 8192  | 1.11B  | 4096 | 32K (8 w)   | 128K (4 mb)  | selective |
+| size | shape                                       | params       | seq  | micro-batch | batch tokens | ac        |
+|------|---------------------------------------------|--------------|------|-------------|--------------|-----------|
+| 125m | d768, 12 layers, 12 heads (MHA), ffn 2048   | 135M         | 4096 | 64K (16 w)  | 256K (4 mb)  | none      |
+| 350m | d1024, 24 layers, 16 heads (MHA), ffn 2816  | 375M         | 4096 | 32K (8 w)   | 256K (8 mb)  | none      |
+| 1b   | d2048, 16 layers, 32 heads, 8 KV, ffn 8192  | 1.11B        | 4096 | 32K (8 w)   | 128K (4 mb)  | selective |
+| moe  | d1024, 16 layers, 16 heads (MHA), see below | 1.68B (0.32B | 4096 | 32K (8 w)   | 256K (8 mb)  | none      |
+|      |                                             | active)      |      |             |              |           |
 
-(Untied embeddings; the 1b shape is Llama-3.2-1B's with a 32K vocabulary. The micro-batches use well under half
-of an H200's 141 GB, so a size still fits with `--ac none` or `--optim muon`; `selective` keeps the outputs of the
-matmuls and attention and recomputes the rest, which is what a 1B run at larger micro-batches needs. The
-recomputation is not counted in the FLOPs, so MFU is what the run achieves, not what the GPU executes.)
+The moe size: layer 0 dense (ffn 2816), layers 1-15 with 64 routed experts (top-8) and 1 shared expert, each a
+SwiGLU of width 512.
 
-Each size runs in its own spawned process (a clean allocator, its own peak memory, and an OOM or a crash cannot take
+A row is a size, or `SIZE+RECIPE` for the same size with `model.fp8 = RECIPE` (`tensorwise` or `rowwise`: the
+blocks' linear layers in FP8 through torchao, docs/model.md). The default rows are `125m 350m 1b 1b+tensorwise
+1b+rowwise moe`. (Untied embeddings; the 1b shape is Llama-3.2-1B's with a 32K vocabulary; the moe row is a
+`glm4_moe` decoder whose routed experts run as grouped matmuls. The micro-batches use well under half of an H200's
+141 GB, so a size still fits with `--ac none` or `--optim muon`; `selective` keeps the outputs of the matmuls and
+attention and recomputes the rest, which is what a 1B run at larger micro-batches needs. The recomputation is not
+counted in the FLOPs, so MFU is what the run achieves, not what the GPU executes. MFU is over the bf16 peak for
+the FP8 rows too, so their gain shows as a higher MFU.)
+
+Each row runs in its own spawned process (a clean allocator, its own peak memory, and an OOM or a crash cannot take
 the others down): build the trainer, `--warmup` untimed steps (compilation and recompilations happen there), then
 `--steps` timed steps, the CUDA stream synchronized before each clock read. A timed step is
 `trainer.data.next_step()` + `trainer.train_step(...)`, exactly what `Trainer.train` does per step minus the
-metrics file and console. Per size: parameters, tokens/s (timed tokens / timed seconds), MFU (the FLOPs of
-`lmforge.train.flops`: 6 x matmul params x tokens plus the attention of the pairs actually attended, over the
-device's dense bf16 peak), MFU 6ND (the matmul term alone), peak allocated CUDA memory, the attention backend,
-the median step time, and the setup time (trainer build + compile + warmup, after the imports). A size that
-fails (out of memory, a crash, past `--timeout`) gets its error in its row and the next size runs.
+metrics file and console. Per row: parameters, tokens/s (timed tokens / timed seconds), MFU (the FLOPs of
+`lmforge.train.flops`: 6 x active matmul params x tokens plus the attention of the pairs actually attended, over
+the device's dense bf16 peak), MFU 6ND (the matmul term alone), peak allocated CUDA memory, the attention backend,
+the median step time, and the setup time (trainer build + compile + warmup, after the imports). A row that fails
+(out of memory, a crash, past `--timeout`) gets its error in its row and the next row runs.
 
-Time on one H200: the first step of a size compiles its block forward and backward (~30-60 s), plus ~10-20 s of
-process start, CUDA and model setup; at 30-45% MFU the steps take ~0.5 s (125m), ~1.5 s (350m) and ~2 s (1b),
-so 20 steps per size add ~10 s, ~30 s and ~40 s: the default table takes ~4-5 minutes, under 8 minutes with room
-for a slow compile. Each size is stopped after `--timeout` seconds (default 300).
+Time on one H200 (estimated, not yet measured): the first step of a row compiles its block forward and backward
+(~30-60 s), plus ~10-20 s of process start, CUDA and model setup; at 30-45% MFU the steps take ~0.5 s (125m),
+~1.5 s (350m) and ~2 s (1b), so 20 steps add ~10 s, ~30 s and ~40 s per row. Each row is stopped after `--timeout`
+seconds (default 300). `benchmarks/gpu_check.sh` runs the default rows with fewer steps.
 
-    .venv/bin/python benchmarks/gpu.py [--sizes 125m 350m 1b] [--steps N] [--warmup N] [--optim adamw|muon]
-                                       [--no-compile] [--ac none|full|selective] [--attn auto|flash|varlen|flex|sdpa]
-                                       [--loss-chunk-tokens N] [--timeout S] [--json PATH]
-    .venv/bin/python benchmarks/gpu.py --smoke      # tiny fp32 model on the CPU, 1 + 2 steps (~10 s)
+    .venv/bin/python benchmarks/gpu.py [--rows 125m 350m 1b 1b+tensorwise 1b+rowwise moe] [--steps N] [--warmup N]
+                                       [--optim adamw|muon] [--no-compile] [--ac none|full|selective]
+                                       [--attn auto|flash|varlen|flex|sdpa] [--loss-chunk-tokens N] [--timeout S]
+                                       [--json PATH]
+    .venv/bin/python benchmarks/gpu.py --smoke      # tiny fp32 rows on the CPU (FP8 emulated), 1 + 2 steps
 
-The script exits 0 when it ran, even if a size failed (its row says why); 2 on bad flags.
+The script exits 0 when it ran, even if a row failed (its row says why); 2 on bad flags.
 """
 
 from __future__ import annotations
@@ -60,6 +71,7 @@ from rich.markup import escape
 import common
 from lmforge.config import TrainConfig
 from lmforge.config.checks import check_config
+from lmforge.model import Glm4MoeArch
 from lmforge.parallel import init_distributed, shutdown_distributed
 from lmforge.runtime.run_dir import prepare_output_dir
 from lmforge.train.trainer import Trainer
@@ -82,6 +94,32 @@ class Size(common.TrainSettings):
     steps: int = 15
     ac: str = "none"
     """Default activation checkpointing of this size (`--ac` overrides it for every size)."""
+    fp8: str = "none"
+    """`model.fp8` of the row (`SIZE+RECIPE` in `--rows`)."""
+    experts: int = 0
+    """Routed experts per MoE layer; 0: a dense Llama."""
+    top_k: int = 0
+    expert_size: int = 0
+    """Each routed and shared expert's SwiGLU width."""
+
+    def model_section(self, init: Any = None, **options: Any) -> dict[str, Any]:
+        """The `[model]` table: a Llama, or for an MoE size a `glm4_moe` decoder (first layer dense, one shared
+        expert, RoPE on whole heads), with the row's FP8 recipe."""
+        section = super().model_section(init, **options)
+        if self.experts:
+            dense = section["arch"]
+            section["arch"] = Glm4MoeArch(
+                **{k: v for k, v in dense.items() if k not in ("model_type", "rope_theta", "rms_norm_eps")},
+                moe_intermediate_size=self.expert_size,
+                n_routed_experts=self.experts,
+                num_experts_per_tok=self.top_k,
+                n_shared_experts=1,
+                first_k_dense_replace=1,
+                partial_rotary_factor=1.0,
+            ).model_dump()
+        if self.fp8 != "none":
+            section["fp8"] = self.fp8
+        return section
 
 
 def _size(name: str, hidden: int, ffn: int, layers: int, heads: int, kv_heads: int, **other: Any) -> Size:
@@ -101,11 +139,33 @@ SIZES: dict[str, Size] = {
     "125m": _size("125m", 768, 2048, 12, 12, 12, micro_batch_tokens=64 * K),
     "350m": _size("350m", 1024, 2816, 24, 16, 16),
     "1b": _size("1b", 2048, 8192, 16, 32, 8, batch_tokens=128 * K, ac="selective"),
+    "moe": _size("moe", 1024, 2816, 16, 16, 16, experts=64, top_k=8, expert_size=512),
 }
-"""The default table, smallest first (a failure of a big size still leaves the small ones measured)."""
+"""The sizes, smallest dense first (a failure of a big size still leaves the small ones measured)."""
+
+FP8_RECIPES = ("tensorwise", "rowwise")
+"""What may follow a size in `--rows` (`1b+tensorwise`)."""
+
+DEFAULT_ROWS = ("125m", "350m", "1b", "1b+tensorwise", "1b+rowwise", "moe")
+"""The default table: the dense sizes in bf16, the 1B in both FP8 recipes, and the MoE."""
 
 SMOKE = common.tiny(Size, name="smoke", num_key_value_heads=4, vocab_size=512)
 """A model and batch small enough that a test runs the script in seconds on the CPU."""
+
+SMOKE_ROWS = {
+    "smoke": SMOKE,
+    "smoke+tensorwise": replace(SMOKE, name="smoke+tensorwise", fp8="tensorwise"),
+    "smoke-moe": replace(SMOKE, name="smoke-moe", experts=8, top_k=2, expert_size=32),
+}
+"""The smoke table: the tiny model, its FP8 row (emulated on the CPU) and a tiny MoE."""
+
+
+def row_size(spec: str) -> Size:
+    """The size of one `--rows` entry: `SIZE` or `SIZE+RECIPE`."""
+    name, _, recipe = spec.partition("+")
+    if name not in SIZES or (recipe and recipe not in FP8_RECIPES):
+        raise ValueError(f"unknown row {spec!r}: a size of {list(SIZES)}, optionally +{'|+'.join(FP8_RECIPES)}")
+    return replace(SIZES[name], name=spec, fp8=recipe) if recipe else SIZES[name]
 
 
 @dataclass(frozen=True)
@@ -120,6 +180,8 @@ class Options:
     loss_chunk_tokens: int = 4096
     param_dtype: str = "auto"
     """`auto`: bf16 on CUDA, fp32 on the CPU."""
+    fp8_emulate: bool = False
+    """FP8 rows emulate the float8 matmuls (the smoke run on the CPU)."""
 
 
 def train_config(size: Size, opts: Options, output_dir: str) -> TrainConfig:
@@ -130,6 +192,7 @@ def train_config(size: Size, opts: Options, output_dir: str) -> TrainConfig:
         "compile": opts.compile,
         "ac": {"mode": opts.ac or size.ac},
         "loss_chunk_tokens": opts.loss_chunk_tokens,
+        "fp8_emulate": opts.fp8_emulate and size.fp8 != "none",
     }
     return size.train_config(output_dir, model=model, optim={"type": opts.optim}, ckpt={"final": False})
 
@@ -262,7 +325,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags."""
     smoke = "tiny fp32 model on the CPU, 1 + 2 steps: checks the script"
     p = common.benchmark_parser(__doc__, {"default": SIZES["125m"], "smoke": SMOKE}, smoke)
-    p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES), help="sizes to run (default all)")
+    p.add_argument(
+        "--rows",
+        nargs="+",
+        default=list(DEFAULT_ROWS),
+        help=f"rows to run: a size of {list(SIZES)}, optionally +tensorwise or +rowwise for FP8 "
+        f"(default: {' '.join(DEFAULT_ROWS)})",
+    )
     p.add_argument("--optim", choices=("adamw", "muon"), default="adamw", help="optimizer (default adamw)")
     p.add_argument("--no-compile", action="store_true", help="don't torch.compile the blocks")
     p.add_argument(
@@ -287,10 +356,14 @@ def main(argv: list[str] | None = None) -> int:
         attn=args.attn,
         loss_chunk_tokens=args.loss_chunk_tokens,
     )
-    sizes = [SIZES[name] for name in SIZES if name in args.sizes]
+    try:
+        sizes = [row_size(spec) for spec in args.rows]
+    except ValueError as err:
+        print(f"gpu.py: --rows: {err}", file=sys.stderr)
+        return 2
     if args.smoke:
-        opts = replace(opts, compile=False, param_dtype="float32")
-        sizes = [SMOKE]
+        opts = replace(opts, compile=False, param_dtype="float32", fp8_emulate=True)
+        sizes = list(SMOKE_ROWS.values())
     sizes = [common.with_flags(size, args) for size in sizes]
     if sizes[0].steps < 1 or sizes[0].warmup < 0 or opts.loss_chunk_tokens < 0:
         print("gpu.py: --steps must be >= 1, --warmup and --loss-chunk-tokens >= 0", file=sys.stderr)

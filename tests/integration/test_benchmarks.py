@@ -156,12 +156,15 @@ def test_gpu_benchmark_smoke(tmp_path: Path) -> None:
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 1
-    row = rows[0]
-    assert "error" not in row, row.get("traceback")
-    assert row["tokens_per_s"] > 0 and row["params"] > 0 and row["median_step_s"] > 0
-    assert row["attn_backend"] == "auto"  # on the CPU, `auto` chooses per row
-    assert row["mfu_pct"] is None  # no bf16 peak on the CPU
+    assert [(r["size"], r["fp8"], r["experts"]) for r in rows] == [
+        ("smoke", "none", 0), ("smoke+tensorwise", "tensorwise", 0), ("smoke-moe", "none", 8)
+    ]  # fmt: skip
+    for row in rows:
+        assert "error" not in row, row.get("traceback")
+        assert row["tokens_per_s"] > 0 and row["params"] > 0 and row["median_step_s"] > 0
+        assert row["attn_backend"] == "auto"  # on the CPU, `auto` chooses per row
+        assert row["mfu_pct"] is None  # no bf16 peak on the CPU
+    assert rows[2]["params"] > rows[0]["params"]  # the experts are there
 
 
 def test_evals_benchmark_smoke(tmp_path: Path) -> None:

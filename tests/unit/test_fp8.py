@@ -4,6 +4,7 @@ exact resume."""
 
 from __future__ import annotations
 
+import builtins
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from tests.integration.runner import losses, run_cli, write_config
 from tests.unit.test_host_sync import _config
 from tests.unit.test_moe import tiny_glm
 
-pytest.importorskip("torchao.float8")
+pytest.importorskip("torchao.float8", exc_type=ImportError)  # also skips a torchao built for another torch
 
 CPU = torch.device("cpu")
 STEPS = 20
@@ -93,10 +94,21 @@ def test_fp8_without_fp8_hardware_is_refused_clearly(monkeypatch: pytest.MonkeyP
     check_fp8_device("rowwise", emulate=False, device=torch.device("cuda", 0))
 
 
-def test_missing_torchao_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # makes the import fail
+def test_missing_or_mismatched_torchao_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     model = build_model(tiny_llama(), 128, "sdpa", CPU)
-    with pytest.raises(ConfigError, match=r"model.fp8 needs torchao \(pip install torchao\)"):
+    with monkeypatch.context() as patch:
+        patch.setitem(sys.modules, "torchao.float8", None)  # as if torchao were not installed
+        with pytest.raises(ConfigError, match=r"model.fp8 needs torchao \(pip install torchao\)"):
+            apply_fp8(model.model.layers, "tensorwise", emulate=True, fsdp_all_gather=False)
+    real_import = builtins.__import__
+
+    def built_for_another_torch(name: str, *args: object, **kwargs: object) -> object:
+        if name.startswith("torchao"):
+            raise ImportError("cannot import name 'ScalingType' from 'torch.nn.functional'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", built_for_another_torch)
+    with pytest.raises(ConfigError, match=r"torchao does not import with torch .*ScalingType.*release made for"):
         apply_fp8(model.model.layers, "tensorwise", emulate=True, fsdp_all_gather=False)
 
 

@@ -44,8 +44,14 @@ def _torchao_float8() -> Any:
     quiet.setLevel(logging.ERROR)
     try:
         import torchao.float8 as float8
-    except ImportError as err:
+    except ModuleNotFoundError as err:
         raise ConfigError(f"model.fp8 needs torchao (pip install torchao): {err}") from err
+    except ImportError as err:
+        # Each torchao release is built against one torch release and may not import with another.
+        raise ConfigError(
+            f"model.fp8: torchao does not import with torch {torch.__version__} ({err}); install the torchao "
+            "release made for this torch (docs/model.md#fp8-training-modelfp8)"
+        ) from err
     finally:
         quiet.setLevel(level)
     return float8
