@@ -46,7 +46,7 @@ seconds (default 300). `benchmarks/gpu_check.sh` runs the default rows with fewe
     .venv/bin/python benchmarks/gpu.py [--rows 125m 350m 1b 1b+tensorwise 1b+rowwise moe] [--steps N] [--warmup N]
                                        [--optim adamw|muon] [--no-compile] [--ac none|full|selective]
                                        [--attn auto|flash|varlen|flex|sdpa] [--loss-chunk-tokens N] [--timeout S]
-                                       [--json PATH]
+                                       [--json PATH] [--markdown PATH]
     .venv/bin/python benchmarks/gpu.py --smoke      # tiny fp32 rows on the CPU (FP8 emulated), 1 + 2 steps
 
 The script exits 0 when it ran, even if a row failed (its row says why); 2 on bad flags.
@@ -321,6 +321,26 @@ def print_table(rows: list[dict[str, Any]], opts: Options, console: Console) -> 
     )
 
 
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a markdown table (for docs/benchmarks.md), a failed row with its error."""
+    lines = [
+        "| row | params | tokens/s | MFU % | MFU 6ND % | peak GiB | attention | median step s | setup s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        params = f"{r['params'] / 1e6:,.1f}M" if "params" in r else "-"
+        if "error" in r:
+            lines.append(f"| {r['size']} | {params} | failed: {r['error'].splitlines()[0][:150]} | | | | | | |")
+            continue
+        figures = [f"{r['tokens_per_s']:,.0f}", _fmt(r["mfu_pct"], ".1f"), _fmt(r["mfu_6nd_pct"], ".1f"),
+                   _fmt(r["peak_memory_gib"], ".1f"), str(r["attn_backend"]), f"{r['median_step_s']:.3f}",
+                   f"{r['setup_s']:.0f}"]  # fmt: skip
+        lines.append(f"| {r['size']} | {params} | " + " | ".join(figures) + " |")
+    device = next((r["device"] for r in rows if "device" in r), "no device")
+    torch_version = next((r["torch"] for r in rows if "torch" in r), "?")
+    return f"On {device}, torch {torch_version}:\n\n" + "\n".join(lines) + "\n"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags."""
     smoke = "tiny fp32 model on the CPU, 1 + 2 steps: checks the script"
@@ -342,7 +362,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--attn", default="auto", help="attention backend (default auto: flash/varlen/flex on CUDA)")
     p.add_argument("--loss-chunk-tokens", type=int, default=4096, help="LM head + loss chunk (default 4096; 0: all)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds one size may take before it is stopped")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds one row may take before it is stopped")
+    p.add_argument("--markdown", type=Path, default=None, help="also write the table as markdown to this file")
     return p.parse_args(argv)
 
 
@@ -385,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     print_table(rows, opts, console)
     common.write_json(args.json, {"settings": asdict(opts), "rows": rows})
+    if args.markdown is not None:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(markdown_table(rows))
     return 0
 
 

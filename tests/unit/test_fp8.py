@@ -158,3 +158,25 @@ def test_compiled_blocks_train_with_fp8(ctx: DistContext, tmp_path: Path, one_th
             trainer.close()
     eager, compiled_losses = results
     assert max(abs(a - b) / b for a, b in zip(eager, compiled_losses, strict=True)) < FP8_RTOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_cuda_fp8_matmuls_track_bf16(ctx: DistContext, tmp_path: Path, recipe: str) -> None:
+    if ctx.device.type != "cuda":
+        pytest.skip("the process group of this module was started on the CPU")
+    if torch.cuda.get_device_capability(ctx.device) < (8, 9):
+        pytest.skip("no FP8 tensor cores on this GPU")
+    runs = {}
+    for fp8 in ("none", recipe):
+        # bf16 parameters: FSDP wraps the one rank, so tensorwise all-gathers float8 weights (scales precomputed).
+        model = {"arch": tiny_llama(hidden_size=128, intermediate_size=256).model_dump(), "fp8": fp8, "compile": True}
+        config = _config(tmp_path / fp8, max_steps=10, model=model, data={"pattern": "counting"})
+        trainer = Trainer(config, ctx, console=False)
+        try:
+            runs[fp8] = [trainer.train_step(trainer.data.next_step(), 0.0)["loss/mean"] for _ in range(10)]
+            assert trainer.fp8_all_gather == (recipe == "tensorwise" and fp8 != "none")
+        finally:
+            trainer.close()
+    # bf16 itself keeps 8 mantissa bits, so both runs carry rounding noise; FP8's adds to it (twice the CPU bound).
+    assert max(abs(a - b) / b for a, b in zip(runs[recipe], runs["none"], strict=True)) < 2 * FP8_RTOL

@@ -23,8 +23,11 @@ def test_a_freed_activation_sized_buffer_is_reused_without_page_faults() -> None
         pytest.skip("not glibc: the allocator settings do not apply")
     # 48 MiB: above the largest threshold glibc would reach by itself (32 MiB), so without the setting every
     # allocation of it is a fresh memory map whose 12,288 pages fault in again.
-    # The first rounds grow the heap; from then on the step-to-step pattern of a training run reuses it.
+    # The first rounds grow the heap; from then on the step-to-step pattern of a training run reuses it. Inside a
+    # long test session another allocation can now and then take the freed block first (seen once in a full run),
+    # so two reuses of three are asked for; without the setting none of them reuses it.
     elements = 12 << 20
     for _ in range(3):
         _faults_of_a_fresh_buffer(elements)
-    assert [_faults_of_a_fresh_buffer(elements) < 500 for _ in range(3)] == [True] * 3
+    faults = [_faults_of_a_fresh_buffer(elements) for _ in range(3)]
+    assert sum(f < 500 for f in faults) >= 2, faults
