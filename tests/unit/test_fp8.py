@@ -121,7 +121,7 @@ def test_fp8_run_on_the_cpu_without_emulation_exits_with_the_message(tmp_path: P
 
 
 @pytest.mark.slow
-def test_two_processes_all_gather_float8_and_resume_exactly(tmp_path: Path) -> None:
+def test_two_processes_all_gather_float8_resume_exactly_and_save_plain_tensors(tmp_path: Path) -> None:
     flags = ["--model.fp8", "tensorwise", "--model.fp8-emulate", "true"]
     cfg = write_config(tmp_path, "straight", max_steps=6)
     runs = {}
@@ -142,6 +142,15 @@ def test_two_processes_all_gather_float8_and_resume_exactly(tmp_path: Path) -> N
     result = run_cli(["train", "@", str(cfg), *flags, *resume], nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     assert losses(again) == runs["two"][3:]
+    # The files hold plain tensors: without FP8 the run resumes (in high precision now), and it exports.
+    checkpoint = tmp_path / "two" / "checkpoints" / "step_3"
+    assert not any(b"torchao" in f.read_bytes() for f in checkpoint.glob("*.distcp"))
+    plain = ["--resume.path", str(tmp_path / "two"), "--resume.step", "3", "--output-dir", str(tmp_path / "plain")]
+    result = run_cli(["train", "@", str(cfg), *plain], nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert max(abs(a - b) / b for a, b in zip(losses(tmp_path / "plain"), runs["two"][3:], strict=True)) < FP8_RTOL
+    result = run_cli(["export", str(tmp_path / "two"), "--output", str(tmp_path / "hf")])
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.mark.slow

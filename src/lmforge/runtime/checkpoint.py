@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from lmforge.config.ckpt import CkptConfig
 from lmforge.parallel import DistContext
@@ -52,6 +53,34 @@ _OLD_PREFIX = ".old_"
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete or does not fit the configured model; the message names it."""
+
+
+def _plain(t: Any) -> Any:
+    """`t` without a tensor subclass that only wraps one tensor of the same shape and dtype (torchao's float8
+    weights under FSDP: `model.fp8`); a DTensor keeps its layout around the unwrapped shard. The plain tensor shares
+    the wrapper's storage, so loading into it loads the live parameter."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    flatten = getattr(local, "__tensor_flatten__", None)
+    if type(local) is torch.Tensor or type(local) is nn.Parameter or flatten is None:
+        return t
+    names, _ = flatten()
+    inner = getattr(local, names[0]) if len(names) == 1 else None
+    if not isinstance(inner, torch.Tensor) or inner.shape != local.shape or inner.dtype != local.dtype:
+        return t
+    if isinstance(t, DTensor):
+        return DTensor.from_local(inner, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
+    return inner
+
+
+def plain_state(state: Any) -> Any:
+    """A checkpoint payload (nested dicts and lists) with its wrapped tensors unwrapped (`_plain`): the files then
+    hold plain tensors, which load without the library that wrapped them (an FP8 run resumes without FP8, and
+    exports need no torchao)."""
+    if isinstance(state, dict):
+        return {k: plain_state(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [plain_state(v) for v in state]
+    return _plain(state) if isinstance(state, torch.Tensor) else state
 
 
 def step_name(step: int) -> str:
@@ -211,6 +240,7 @@ class Checkpointer:
             torch.save(rng_state(), tmp / "rng" / f"rank_{self.ctx.rank}.pt")
             model_sd, optim_sd = get_state_dict(model, optimizers_of(optimizer))
             payload = {"model": model_sd, "optim": optim_sd}
+        payload = plain_state(payload)
         if self.cfg.async_save:
             future = dcp.async_save(payload, checkpoint_id=tmp, process_group=self.group)
             self._pending = (future, step)  # type: ignore[assignment]
@@ -302,7 +332,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: Any, rank: int) -> 
         check_model_shapes(path, model)
         hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         model_sd, optim_sd = get_state_dict(model, optimizers_of(optimizer))
-        payload = {"model": model_sd, "optim": optim_sd}
+        payload = plain_state({"model": model_sd, "optim": optim_sd})
         dcp.load(payload, checkpoint_id=path)
         set_state_dict(
             model, optimizers_of(optimizer), model_state_dict=payload["model"], optim_state_dict=payload["optim"]
@@ -318,7 +348,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: Any, rank: int) -> 
 def load_model_state(path: Path, model: nn.Module) -> None:
     """Load a checkpoint's or snapshot's model weights into the live, possibly sharded, model (every rank)."""
     check_model_shapes(path, model)
-    model_sd = get_model_state_dict(model)
+    model_sd = plain_state(get_model_state_dict(model))
     dcp.load({"model": model_sd}, checkpoint_id=path)
     set_model_state_dict(model, model_sd)
 
