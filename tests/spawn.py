@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,3 +26,20 @@ def run_ranks(worker: Callable[..., None], args: tuple[Any, ...], out: Path, tim
             p.join()
     assert [p.exitcode for p in procs] == [0] * n
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_as_rank(rank: int, port: int, world_size: int = 2) -> None:
+    """Inside a spawned worker: the environment torch.distributed reads to make this process `rank` of
+    `world_size` on the loopback interface, and one compute thread (results then do not depend on the core count)."""
+    import torch
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    os.environ.update(env, WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)

@@ -3,29 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.spawn import run_ranks
+from tests.spawn import free_port, join_as_rank, run_ranks
 from tests.unit.test_micro_batches import make_batches, poisoned_vs_clean, train_config
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, tmp: str) -> None:
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank)}
-    os.environ.update(env, WORLD_SIZE="2")
-    torch.set_num_threads(1)
+    join_as_rank(rank, port)
     from lmforge.parallel import init_distributed, shutdown_distributed
 
     ctx = init_distributed(timeout_minutes=2)
@@ -39,7 +28,7 @@ def _worker(rank: int, port: int, tmp: str) -> None:
 
 
 def test_nan_on_one_rank_is_skipped_everywhere(tmp_path: Path) -> None:
-    results = run_ranks(_worker, (_free_port(), str(tmp_path)), tmp_path, timeout=180)
+    results = run_ranks(_worker, (free_port(), str(tmp_path)), tmp_path, timeout=180)
     assert results[0]["hits"] == 1 and results[1]["hits"] == 0
     for res in results:
         assert [m["loss/nan_count"] for m in res["metrics"]] == [0.0, 1.0, 0.0]

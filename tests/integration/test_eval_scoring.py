@@ -4,8 +4,6 @@ one request at a time, and do not depend on the world size (2 FSDP2 ranks vs 1 p
 from __future__ import annotations
 
 import json
-import os
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +20,7 @@ from lmforge.model.llama import CausalLM
 from lmforge.runtime.hf_folder import write_model_files
 from tests.chat import WORDS, chat_tokenizer, write_jsonl
 from tests.conftest import tiny_llama
-from tests.spawn import run_ranks
+from tests.spawn import free_port, join_as_rank, run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -102,16 +100,8 @@ def test_scores_and_metrics_match_transformers(sets_dir: Path, one_thread: objec
         assert set(metrics) == ({"acc", "acc_norm"} if s.kind == "ctxcont" else {"acc"})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, folder: str) -> None:
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank)}
-    os.environ.update(env, WORLD_SIZE="2")
-    torch.set_num_threads(1)
+    join_as_rank(rank, port)
     from lmforge.config.model import ModelConfig
     from lmforge.parallel import init_distributed, parallelize, shutdown_distributed
 
@@ -136,7 +126,7 @@ def test_two_fsdp_ranks_score_like_one_process(sets_dir: Path, one_thread: objec
     assert all(len(pack_requests(reqs, ROW_TOKENS)) % 2 == 1 for reqs in requests)
     model = _model()
     single = [score_requests(model, pack_requests(r, ROW_TOKENS), len(r), CPU, 0, 1) for r in requests]
-    results = run_ranks(_worker, (_free_port(), str(sets_dir)), sets_dir, timeout=180)
+    results = run_ranks(_worker, (free_port(), str(sets_dir)), sets_dir, timeout=180)
     assert results[0] == results[1]
     for one, two in zip(single, results[0], strict=True):
         np.testing.assert_allclose(np.array(two), one, rtol=0, atol=1e-5)

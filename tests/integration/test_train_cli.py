@@ -36,6 +36,17 @@ def test_rerun_into_a_used_output_dir_is_refused(tmp_path: Path) -> None:
     assert second.returncode == 2 and "already holds a run" in second.stderr and "Traceback" not in second.stderr
 
 
+def test_resuming_a_finished_run_says_there_is_nothing_left(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, "run", max_steps=2)
+    assert run_cli(["train", "@", str(cfg)]).returncode == 0
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    again = run_cli(["train", "@", str(cfg), "--resume.step", "latest"])
+    assert again.returncode == 0, again.stderr
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_2"
+    assert f"{checkpoint} is at step 2, and max_steps is 2: nothing left to train" in again.stdout
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before  # no step ran, nothing was logged
+
+
 def test_bad_config_exits_with_one_message_and_no_traceback(tmp_path: Path) -> None:
     cfg = write_config(tmp_path, "run")
     result = run_cli(["train", "@", str(cfg), "--data.seq-len", "4096"])

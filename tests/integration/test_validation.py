@@ -91,3 +91,24 @@ def test_validation_is_world_size_independent_and_leaves_training_alone(tmp_path
     last = records["val1"][-1]
     assert last["val/held/loss@64"] < last["val/held/loss@16"] + 0.5  # a longer context does not hurt much
     assert last["val/held/ppl@64"] == pytest.approx(np.exp(last["val/held/loss@64"]))
+
+
+@pytest.mark.parametrize(
+    ("docs", "expected"),
+    [
+        ([[5, 6, 7], [8, 9, 0]], "the first document ends with token id 7, expected the tokenizer's EOS 0"),
+        ([[5, 6, 0], [8, 400, 0]], "token id 400 at offset 4 is outside the vocabulary (300 ids)"),
+    ],
+    ids=["no-eos", "outside-vocabulary"],
+)
+def test_a_bad_held_out_folder_is_refused_like_training_data(
+    tmp_path: Path, docs: list[list[int]], expected: str
+) -> None:
+    tok = word_tokenizer(tmp_path / "tok")
+    shard = write_shard(tmp_path / "held", "00000", docs)
+    cfg = write_config(tmp_path, "run", max_steps=2)
+    sets = f'[{{name = "held", path = "{tmp_path / "held"}"}}]'
+    result = run_cli(["train", "@", str(cfg), "--tokenizer.name", str(tok), "--val.sets", sets])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"{shard}: {expected}" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -93,6 +93,17 @@ def test_unknown_field_names_file_and_field(base: Path, tmp_path: Path) -> None:
     assert "data.seq_lenn" in msg and bad in msg and "unknown field" in msg and "seq_len" in msg
 
 
+def test_errors_name_the_source_that_set_the_field_or_a_field_inside_it(base: Path, tmp_path: Path) -> None:
+    # An unknown section set by a flag alone comes from the command line, not from the defaults.
+    assert "parallel (from the command line): unknown field" in error_of(["@", str(base), "--parallel.cp", "2"])
+    # A table from a file with one field from a flag: both made the value the check refused.
+    init = write(tmp_path, "init.toml", "[model.init]\nstd = 0.02\n")
+    msg = error_of(["@", str(base), "@", init, "--model.init.scheme", "completep"])
+    assert f"model.init (from {init} and the command line): " in msg and "base_hidden_size" in msg
+    msg = error_of(["@", str(base), "--model.init.scheme", "completep"])
+    assert f"model.init (from {base} and the command line): " in msg  # [model] itself comes from base.toml
+
+
 def test_wrong_type_names_file_field_and_value(base: Path) -> None:
     msg = error_of(["@", str(base), "--data.seq-len", "long"])
     assert "data.seq_len" in msg and "the command line" in msg and "integer" in msg and "'long'" in msg

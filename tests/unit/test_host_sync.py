@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +34,7 @@ from tests.chat import chat_tokenizer, conversation, write_jsonl
 from tests.conftest import tiny_llama
 from tests.host_sync import HostSyncDetector, checked
 from tests.shards import random_docs, word_tokenizer, write_shard
-from tests.spawn import run_ranks
+from tests.spawn import free_port, join_as_rank, run_ranks
 from tests.unit.test_micro_batches import make_batches
 from tests.unit.test_moe import tiny_glm
 
@@ -256,16 +254,8 @@ def test_one_process_steps_and_validation_never_read_the_device(
         assert any(n.startswith("moe/") for n in names)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_rank_worker(rank: int, port: int, tmp: str) -> None:
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank)}
-    os.environ.update(env, WORLD_SIZE="2")
-    torch.set_num_threads(1)
+    join_as_rank(rank, port)
     from lmforge.parallel import shutdown_distributed
 
     ctx = init_distributed(timeout_minutes=2)
@@ -289,7 +279,7 @@ def _two_rank_worker(rank: int, port: int, tmp: str) -> None:
 
 @pytest.mark.slow
 def test_two_processes_with_fsdp_never_read_the_device(tmp_path: Path) -> None:
-    results = run_ranks(_two_rank_worker, (_free_port(), str(tmp_path)), tmp_path, timeout=240)
+    results = run_ranks(_two_rank_worker, (free_port(), str(tmp_path)), tmp_path, timeout=240)
     for rank, found in enumerate(results):
         assert set(found) == {"dense", "dense-deferred", "moe-grouped-deferred", "moe-loop", "validation"}
         assert all(expected_reads(case, reads) for case, reads in found.items()), f"rank {rank}: {found}"

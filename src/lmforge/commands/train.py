@@ -48,9 +48,19 @@ def main(argv: list[str]) -> int:
     ctx = init_distributed()
     try:
         try:
-            trainer = Trainer(config, ctx, resume_from=prepare_run(config, overwrite))
+            resume_from = prepare_run(config, overwrite)
+            trainer = Trainer(config, ctx, resume_from=resume_from)
         except (ConfigError, CheckpointError, HFModelError, EvalSetError, *DataError) as e:
             return fail("train", str(e))
+        if resume_from is not None and trainer.step >= config.max_steps:
+            # A finished run resumed: say so instead of exiting silently.
+            trainer.close()
+            if ctx.is_main:
+                print(
+                    f"lmforge train: {resume_from} is at step {trainer.step}, and max_steps is {config.max_steps}: "
+                    "nothing left to train (raise max_steps to train on)"
+                )
+            return 0
         trainer.train()
     finally:
         shutdown_distributed()

@@ -35,13 +35,19 @@ class RawConfig:
     """`--dry-run` was given."""
 
     def source_of(self, dotted: str) -> str | None:
-        """The source that set `dotted` or its closest parent, if any did."""
+        """Where the value of `dotted` came from: the source that set it or its closest parent, and every other
+        source that set a field inside it (a table from a file with one of its fields from a flag names both),
+        joined with "and", the command line last."""
         parts = dotted.split(".")
+        found = []
         for n in range(len(parts), 0, -1):
             src = self.sources.get(".".join(parts[:n]))
             if src is not None:
-                return src
-        return None
+                found.append(src)
+                break
+        found += [src for key, src in self.sources.items() if key.startswith(dotted + ".")]
+        unique = sorted(dict.fromkeys(found), key=lambda src: src == CLI_SOURCE)
+        return " and ".join(unique) if unique else None
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterable[str]:

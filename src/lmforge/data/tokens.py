@@ -39,6 +39,16 @@ def check_shards(pool: ShardPool, tokenizer: TokenizerInfo) -> None:
             raise ShardError(f"{f.path}: uint16 tokens cannot hold a vocabulary of {tokenizer.size} ids")
 
 
+def check_token_ids(pool: ShardPool, tokens: np.ndarray, start: int, vocab_size: int) -> None:
+    """Raise a ShardError naming the file and offset of the first id of `tokens` (the pool's tokens from offset
+    `start` on) that is outside a vocabulary of `vocab_size` ids."""
+    if tokens.size and tokens.max() >= vocab_size:
+        bad = int(np.argmax(tokens >= vocab_size))
+        f, at = pool.locate(start + bad)
+        raise ShardError(f"{f.path}: token id {int(tokens[bad])} at offset {at} is outside the vocabulary "
+                         f"({vocab_size} ids)")  # fmt: skip
+
+
 class TokenData:
     """The window stream of one rank over a shard pool."""
 
@@ -98,11 +108,7 @@ class TokenData:
         offset, order = self._order(epoch)
         start = offset + int(order[index]) * self.cfg.seq_len
         tokens, doc_starts, loss = self.pool.read(start, self.cfg.seq_len + 1)
-        if tokens.max() >= self.vocab_size:
-            bad = int(np.argmax(tokens >= self.vocab_size))
-            f, at = self.pool.locate(start + bad)
-            raise ShardError(f"{f.path}: token id {int(tokens[bad])} at offset {at} is outside the vocabulary "
-                             f"({self.vocab_size} ids)")  # fmt: skip
+        check_token_ids(self.pool, tokens, start, self.vocab_size)
         seg_lens = (
             segments_from_doc_starts((doc_starts - start).tolist(), self.cfg.seq_len)
             if self.cfg.document_masking

@@ -37,6 +37,7 @@ from lmforge.data.sft import SampleSet, load_samples
 from lmforge.data.shards import ShardPool
 from lmforge.data.sources import SourceMap
 from lmforge.data.tokenizer import TokenizerInfo
+from lmforge.data.tokens import check_shards, check_token_ids
 from lmforge.eval.scoring import ScoringRow, pack_requests, score_requests
 from lmforge.eval.sets import EvalSet, Request, build_requests, fit_requests, ppl_tokens, read_eval_dir, set_metrics
 from lmforge.model.loss import IGNORE_INDEX
@@ -171,7 +172,10 @@ class Validator:
                 self._add_set_file(s, files, tokenizer, row_tokens, nbytes)
                 continue
             pool = ShardPool([Path(s.path)])
+            # The checks training data gets: EOS and token size (another tokenizer), ids inside the vocabulary.
+            check_shards(pool, tokenizer)
             tokens, doc_starts, _ = pool.read(0, pool.num_tokens)
+            check_token_ids(pool, tokens, 0, tokenizer.size)
             sources = SourceMap.for_pool(pool, [Path(s.path)])
             groups = [(s.name, tokens, doc_starts)] if sources is None else split_by_source(
                 s.name, tokens, doc_starts, sources.document_sources(), sources.names
