@@ -257,3 +257,46 @@ def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     shot = tmp_path / "report.png"
     assert shot.exists() and shot.stat().st_size > 50_000
     print(f"browser: {elapsed:.1f} s")
+
+
+SCRIPT = "<script>window.__pwned = 1</script>"
+ATTRIBUTE = '"><img src=x onerror="window.__pwned=2">'
+
+
+@pytest.mark.timeout(120)
+def test_report_shows_markup_from_configs_and_metrics_as_text(tmp_path: Path) -> None:
+    """Run name, W&B name and tags, and metric names holding HTML stay text in the page: nothing in them runs."""
+    _require_browser()
+    from playwright.sync_api import sync_playwright
+
+    run = make_run(tmp_path, ATTRIBUTE)  # a folder name may hold all of it but the `/` of a closing tag
+    config = CONFIG.replace('"{out}"', json.dumps(str(run)))  # JSON strings are TOML strings, quotes escaped
+    config += f'\n[wandb]\nproject = "p"\nname = "{SCRIPT}"\ngroup = {json.dumps(ATTRIBUTE)}\n'
+    config += f"tags = [{json.dumps(SCRIPT)}, {json.dumps(ATTRIBUTE)}]\n"
+    (run / "config.toml").write_text(config, encoding="utf-8")
+    with (run / "metrics.jsonl").open("a", encoding="utf-8") as f:
+        # one drawn in the validation charts' legends, one listed as logged but not plotted
+        f.write(json.dumps({"step": 51, f"val/{ATTRIBUTE}/loss@64": 3.0, SCRIPT: 1.0}) + "\n")
+    report = tmp_path / "report.html"
+    assert report_main([str(run), "-o", str(report)]) == 0
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page()
+            page.goto(report.as_uri(), wait_until="load")
+            page.wait_for_selector("#panel-val .js-plotly-plot .main-svg", timeout=30_000)
+            page.wait_for_timeout(500)  # an injected image would have failed to load and fired onerror by now
+            pwned = page.evaluate("() => typeof window.__pwned")
+            injected = page.evaluate("() => document.querySelectorAll('img, #run-config script').length")
+            title = page.title()
+            summary = page.inner_text("#run-summary")
+            config = page.inner_text("#run-config")
+            note = page.inner_text("p.note")
+            legends = page.inner_text("#panel-val")
+        finally:
+            browser.close()
+    assert pwned == "undefined" and injected == 0
+    assert ATTRIBUTE in title and ATTRIBUTE in summary
+    assert f'name = "{SCRIPT}"' in config and f"group = {json.dumps(ATTRIBUTE)}" in config
+    assert SCRIPT in note
+    assert "val/" in legends and "onerror" in legends  # plotly draws the name as SVG text

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from lmforge.config.base import Section
+from lmforge.config.val import check_path_name
 
 
 class WandbConfig(Section):
     """`[wandb]`: a W&B run that receives the metrics of rank 0; off unless project is set."""
 
     project: str | None = None
-    """W&B project to log to; unset: W&B is off (and need not be installed)."""
+    """W&B project to log to, a plain name (no path separator, not `.` or `..`); unset: W&B is off (and need not
+    be installed)."""
 
     name: str | None = None
     """Display name of the W&B run; unset: the name of output_dir."""
@@ -25,7 +27,8 @@ class WandbConfig(Section):
     """Tags of the W&B run."""
 
     entity: str | None = None
-    """W&B user or team that owns the project; unset: the default entity of the logged-in user."""
+    """W&B user or team that owns the project, a plain name like project; unset: the default entity of the
+    logged-in user."""
 
     mode: Literal["online", "offline", "disabled"] = "online"
     """online: stream to the W&B server; offline: write the run only locally, for a later `wandb sync`;
@@ -34,6 +37,13 @@ class WandbConfig(Section):
     dir: str | None = None
     """Folder in which W&B creates its `wandb/` folder of run files; unset: output_dir, so they go to
     `<output_dir>/wandb/`."""
+
+    @field_validator("project", "entity")
+    @classmethod
+    def _plain_name(cls, value: str | None) -> str | None:
+        # Both are parts of the paths W&B builds (run URLs, `wandb sync` targets). The run name, group and tags are
+        # labels W&B stores as data, never paths, so they stay free text.
+        return None if value is None else check_path_name(value)
 
     @property
     def enabled(self) -> bool:

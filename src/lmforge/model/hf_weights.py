@@ -33,6 +33,10 @@ INDEX_FILE = "model.safetensors.index.json"
 
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+"""Weight files in a pickle format (`pytorch_model.bin`, `*.pt`, ...): never loaded, since unpickling a file can run
+whatever code it holds."""
+
 # Buffers some HF versions save that lmforge computes on the fly.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -93,6 +97,23 @@ def write_safetensors(tensors: dict[str, Tensor], out_dir: Path, max_shard_bytes
     return [*names, INDEX_FILE]
 
 
+def require_safetensors(folder: Path) -> None:
+    """Raise HFModelError unless `folder` holds safetensors weights; the message names pickle weight files found
+    instead (`pytorch_model.bin` and the like), which lmforge refuses to load."""
+    folder = Path(folder)
+    if (folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file():
+        return
+    message = f"{folder}: no {SINGLE_FILE} or {INDEX_FILE} found"
+    pickled = sorted(p.name for p in folder.glob("*") if p.is_file() and p.name.endswith(PICKLE_SUFFIXES))
+    if pickled:
+        message += (
+            f"; {', '.join(pickled)} hold(s) PyTorch pickle weights, which lmforge does not load (unpickling a file "
+            "can run any code it holds). Convert them to safetensors where you trust their source, e.g. with "
+            "transformers: AutoModelForCausalLM.from_pretrained(folder).save_pretrained(out)"
+        )
+    raise HFModelError(message)
+
+
 def checkpoint_files(folder: Path) -> dict[str, Path]:
     """Which file of the checkpoint in `folder` holds each tensor (a single file is preferred over an index)."""
     folder = Path(folder)
@@ -100,9 +121,8 @@ def checkpoint_files(folder: Path) -> dict[str, Path]:
     if single.is_file():
         with safe_open(str(single), framework="pt", device="cpu") as f:
             return dict.fromkeys(f.keys(), single)
+    require_safetensors(folder)
     index_path = folder / INDEX_FILE
-    if not index_path.is_file():
-        raise HFModelError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE} found")
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:

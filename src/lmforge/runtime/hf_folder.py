@@ -23,7 +23,7 @@ from lmforge.model.hf_config import (
     read_hf_config,
 )
 from lmforge.model.hf_names import export_tensors
-from lmforge.model.hf_weights import load_hf_weights, write_safetensors
+from lmforge.model.hf_weights import load_hf_weights, require_safetensors, write_safetensors
 from lmforge.model.llama import CausalLM
 from lmforge.runtime.checkpoint import MODEL_FILES, CheckpointError, find_checkpoint, load_model_weights
 
@@ -80,7 +80,9 @@ def is_hf_folder(path: Path) -> bool:
 def load_pretrained(path: Path, device: torch.device | str = "cpu") -> tuple[CausalLM, TokenizerInfo | None]:
     """A model for inference from an HF folder, a run directory (its latest checkpoint) or a checkpoint folder,
     with the tokenizer stored beside it (None if there is none). No process group is needed."""
-    if is_hf_folder(path):
+    if (path / "config.json").is_file():
+        # An HF folder: one without safetensors weights (pickle ones, say) is refused here, not taken for a run.
+        require_safetensors(path)
         files = path
     elif path.is_dir():
         files = _checkpoint_of(path) / MODEL_FILES
