@@ -174,6 +174,54 @@ def test_bad_shards_fail_with_the_file_named(tmp_path: Path, tok: TokenizerInfo)
         ShardPool([tmp_path / "empty"])
 
 
+def test_damaged_files_and_metadata_fail_with_the_file_named(tmp_path: Path) -> None:
+    docs = random_docs(10, seed=3)
+    total = sum(len(d) for d in docs)
+
+    def shard(name: str) -> Path:
+        return write_shard(tmp_path / name, "00000", docs)
+
+    # Cut by whole tokens: the file disagrees with its metadata.
+    path = shard("cut")
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size - 20)
+    with pytest.raises(ShardError, match=rf"cut/00000\.ds: holds {total - 10} tokens but its metadata says {total}"):
+        ShardPool([tmp_path / "cut"])
+    # Cut with the metadata rewritten to match: the index now points past the end.
+    path = shard("pastend")
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size - 20)
+    path.with_name("00000.ds.metadata").write_text(f"test-tokenizer|2\n{total - 10}\n")
+    with pytest.raises(ShardError, match=rf"00000\.ds\.index: last document ends at {total} but 00000\.ds holds"):
+        ShardPool([tmp_path / "pastend"])
+    # Missing metadata, metadata of another token size, and metadata that is not the format.
+    shard("nometa").with_name("00000.ds.metadata").unlink()
+    with pytest.raises(ShardError, match=r"nometa/00000\.ds: metadata file 00000\.ds\.metadata is missing"):
+        ShardPool([tmp_path / "nometa"])
+    shard("size4").with_name("00000.ds.metadata").write_text(f"test-tokenizer|4\n{total}\n")
+    with pytest.raises(ShardError, match=rf"size4/00000\.ds: holds {total // 2} tokens but its metadata says {total}"):
+        ShardPool([tmp_path / "size4"])
+    shard("size3").with_name("00000.ds.metadata").write_text(f"test-tokenizer|3\n{total}\n")
+    with pytest.raises(ShardError, match=r"size3/00000\.ds\.metadata: token_size 3 is not 2"):
+        ShardPool([tmp_path / "size3"])
+    shard("garbled").with_name("00000.ds.metadata").write_text("just one line\n")
+    with pytest.raises(ShardError, match=r"garbled/00000\.ds\.metadata: expected 'tokenizer\|token_size'"):
+        ShardPool([tmp_path / "garbled"])
+    # A zero-length document: its end offset repeats the one before.
+    path = shard("emptydoc")
+    ends = np.cumsum([len(d) for d in docs])
+    np.array([ends[0], ends[0], *ends[1:]], dtype=np.uint64).tofile(path.with_name("00000.ds.index"))
+    with pytest.raises(ShardError, match=rf"00000\.ds\.index: document 1 is empty \(its end offset {ends[0]} repeats"):
+        ShardPool([tmp_path / "emptydoc"])
+    # A file with no tokens at all.
+    empty = tmp_path / "notokens" / "00000.ds"
+    empty.parent.mkdir()
+    empty.write_bytes(b"")
+    empty.with_name("00000.ds.metadata").write_text("test-tokenizer|2\n0\n")
+    with pytest.raises(ShardError, match=r"notokens/00000\.ds: holds no tokens"):
+        ShardPool([tmp_path / "notokens"])
+
+
 def test_token_outside_the_vocabulary_names_file_and_offset(tmp_path: Path, tok: TokenizerInfo) -> None:
     docs = random_docs(40, seed=9)
     docs[3][1] = 999  # the tokenizer has 300 ids

@@ -5,7 +5,13 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 from lmforge.commands.errors import fail
+
+LOST_RANK = 1
+"""The exit code of a rank that lost the others (their process died or hung): not bad input, a failed run."""
 
 
 def _help(argv: list[str]) -> int:
@@ -41,11 +47,14 @@ def main(argv: list[str]) -> int:
     from lmforge.eval.sets import EvalSetError
     from lmforge.model.hf_config import HFModelError
     from lmforge.parallel import init_distributed, shutdown_distributed
+    from lmforge.parallel.heartbeat import Heartbeat, describe_lost
     from lmforge.runtime.checkpoint import CheckpointError
     from lmforge.runtime.run_dir import prepare_run
     from lmforge.train.trainer import Trainer
 
-    ctx = init_distributed()
+    timeout = config.parallel.timeout_s
+    ctx = init_distributed(timeout_minutes=timeout / 60)
+    heartbeat = Heartbeat(ctx.rank, ctx.world_size, min(2.0, timeout / 10)) if ctx.world_size > 1 else None
     try:
         try:
             resume_from = prepare_run(config, overwrite)
@@ -61,7 +70,20 @@ def main(argv: list[str]) -> int:
                     "nothing left to train (raise max_steps to train on)"
                 )
             return 0
-        trainer.train()
+        try:
+            trainer.train()
+        except CheckpointError as e:  # a failed save (a full disk): the rank log has the traceback
+            return fail("train", str(e))
+        except Exception as e:
+            silent = heartbeat.silent_ranks() if heartbeat is not None else []
+            if silent == []:  # every rank still beats: not a lost rank
+                raise
+            # Every surviving rank says it (the first rank may be the lost one). The process group cannot be left
+            # cleanly with a rank missing (its barrier would wait out the timeout again), so the process ends here.
+            print(f"lmforge train: error: {describe_lost(ctx.rank, silent, e)}", file=sys.stderr, flush=True)
+            os._exit(LOST_RANK)
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()
         shutdown_distributed()
     return 0

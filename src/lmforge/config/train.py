@@ -11,6 +11,7 @@ from lmforge.config.ckpt import CkptConfig, ResumeConfig
 from lmforge.config.data import DataConfig
 from lmforge.config.model import ModelConfig
 from lmforge.config.optim import OptimConfig, ScheduleConfig
+from lmforge.config.parallel import ParallelConfig
 from lmforge.config.val import EvalSnapshotsConfig, ValConfig
 from lmforge.config.wandb import WandbConfig
 
@@ -82,6 +83,9 @@ class TrainConfig(Section):
 
     wandb: WandbConfig = WandbConfig()
     """Weights & Biases logging, off unless wandb.project is set (docs/monitoring.md)."""
+
+    parallel: ParallelConfig = ParallelConfig()
+    """The process group: how long a rank waits for the others (docs/training.md#when-a-rank-is-lost)."""
 
     @model_validator(mode="before")
     @classmethod

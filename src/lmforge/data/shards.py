@@ -83,7 +83,12 @@ def open_shard(path: Path) -> ShardFile:
     if last != count:
         raise ShardError(f"{index_path}: last document ends at {last} but {path.name} holds {count} tokens")
     ends = doc_ends.astype(np.int64)
-    if ends[0] <= 0 or np.any(np.diff(ends) <= 0):
+    gaps = np.diff(ends, prepend=0)
+    if (gaps == 0).any():
+        empty = int(np.argmax(gaps == 0))
+        raise ShardError(f"{index_path}: document {empty} is empty (its end offset {int(ends[empty])} repeats the one "
+                         "before); a tokenizer writes no empty documents, so the index is damaged")  # fmt: skip
+    if np.any(gaps < 0):
         raise ShardError(f"{index_path}: document end offsets are not strictly increasing from above 0")
     loss = None
     loss_path = path.with_name(path.name + ".loss")

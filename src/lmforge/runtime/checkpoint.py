@@ -4,7 +4,8 @@ Layout of one checkpoint, `<output_dir>/checkpoints/step_N/`:
 
     .metadata, __<rank>_0.distcp   DCP: model and optimizer, each rank writing its own shards
     trainer.json                   step, token counter, schedule start, data position, world size
-    rng/rank_<k>.pt                RNG states of rank k (restored when the world size is unchanged)
+    rng/rank_<k>.pt                RNG states of rank k, tensors and plain values only (`RNG_FORMAT`),
+                                   restored when the world size is unchanged
     config.toml                    the resolved config of the run when it was saved
     model/                         HF config.json, generation_config.json and tokenizer files (for export)
 
@@ -17,11 +18,12 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -81,6 +84,16 @@ def plain_state(state: Any) -> Any:
     if isinstance(state, list):
         return [plain_state(v) for v in state]
     return _plain(state) if isinstance(state, torch.Tensor) else state
+
+
+def _failure_cause(err: BaseException) -> str:
+    """The first underlying error of a failed DCP save, as `Type: message` (DCP wraps each rank's in a
+    CheckpointException whose text is a list of tracebacks)."""
+    if isinstance(err, CheckpointException):
+        for failure in err.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            return _failure_cause(inner)
+    return f"{type(err).__name__}: {err}"
 
 
 def step_name(step: int) -> str:
@@ -162,25 +175,117 @@ def retained(steps: Iterable[int], keep_last: int, keep_interval: int | None) ->
     return keep
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's random number generator states."""
+RNG_FORMAT = 2
+"""Layout of `rng/rank_<k>.pt`: tensors and plain Python values only, so that it loads with `weights_only=True`.
+The first layout (no "format" key) held numpy's state as an array; `read_rng_state` still reads it."""
+
+
+def _layout(torch_state: torch.Tensor, python_state: tuple[Any, ...], numpy_state: tuple[Any, ...],
+            cuda_state: torch.Tensor | None) -> dict[str, Any]:  # fmt: skip
+    """Generator states as `RNG_FORMAT` stores them, from `random.getstate()` and `np.random.get_state()`."""
+    version, internal, gauss_next = python_state
+    algorithm, key, pos, has_gauss, cached = numpy_state
+    if not isinstance(key, np.ndarray) or key.dtype != np.uint32:
+        raise TypeError(f"numpy key of type {getattr(key, 'dtype', type(key).__name__)}, expected uint32")
     state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "format": RNG_FORMAT,
+        "torch": torch_state,
+        "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss_next": gauss_next},
+        "numpy": {
+            "algorithm": str(algorithm),
+            # uint32 words held as int64: exact, and a dtype every torch version serializes.
+            "key": torch.from_numpy(key.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    if cuda_state is not None:
+        state["cuda"] = cuda_state
     return state
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random number generator states, as tensors, numbers and strings only (see `RNG_FORMAT`)."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    return _layout(torch.get_rng_state(), random.getstate(), np.random.get_state(legacy=True), cuda)
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what `rng_state` returned."""
+    py, nps = state["python"], state["numpy"]
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
+    key = nps["key"].numpy().astype(np.uint32)
+    np.random.set_state((nps["algorithm"], key, nps["pos"], nps["has_gauss"], nps["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def _numpy_array_globals() -> list[Any]:
+    """What unpickling a numpy array needs, under the module names numpy 1 and numpy 2 pickle it with. Building an
+    array runs no code of the file's choosing; an object array's items still pass the restricted unpickler."""
+    core = getattr(np, "_core", None) or np.core
+    reconstruct = core.multiarray._reconstruct
+    return [
+        (reconstruct, "numpy.core.multiarray._reconstruct"),
+        (reconstruct, "numpy._core.multiarray._reconstruct"),
+        np.ndarray,
+        np.dtype,
+        type(np.dtype(np.uint32)),  # numpy 2 pickles a dtype through its class; the key is uint32
+    ]
+
+
+_RNG_FIELDS = {"python": ("version", "state", "gauss_next"),
+               "numpy": ("algorithm", "key", "pos", "has_gauss", "cached_gaussian")}  # fmt: skip
+
+
+def _check_layout(state: Any) -> None:
+    """Raise TypeError unless `state` has the fields `set_rng_state` reads, so a foreign file fails by name."""
+    if not isinstance(state, dict):
+        raise TypeError(f"expected a dict, found a {type(state).__name__}")
+    if state.get("format") != RNG_FORMAT:
+        raise TypeError(f"format {state.get('format')!r}, expected {RNG_FORMAT}")
+    if not isinstance(state.get("torch"), torch.Tensor):
+        raise TypeError("no torch generator state")
+    for part, fields in _RNG_FIELDS.items():
+        if not isinstance(state.get(part), dict) or any(f not in state[part] for f in fields):
+            raise TypeError(f"{part!r} should be a dict with {', '.join(fields)}")
+    if not isinstance(state["python"]["state"], torch.Tensor) or not isinstance(state["numpy"]["key"], torch.Tensor):
+        raise TypeError("the Python state and the numpy key should be tensors")
+
+
+def _refused_globals(path: Path) -> str:
+    """The globals a refused file names, for the error message (found without unpickling it), or ""."""
+    try:
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # not a torch.save zip file, or not even that: the message then only says it was refused
+        return ""
+    return f" (it refers to {', '.join(sorted(found))})" if found else ""
+
+
+def read_rng_state(path: Path) -> dict[str, Any]:
+    """The RNG states in a checkpoint's `rng/rank_<k>.pt`, read with torch's restricted unpickler only: a file that
+    would need anything beyond tensors, plain values and (in the first layout) numpy arrays is refused with a
+    CheckpointError naming it, before any of its objects is built."""
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            # The first layout holds numpy's state as an array: allow exactly what building one takes.
+            with torch.serialization.safe_globals(_numpy_array_globals()):
+                first = torch.load(path, map_location="cpu", weights_only=True)
+            state = _layout(first["torch"], first["python"], first["numpy"], first.get("cuda"))
+        _check_layout(state)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"{path}: refused to load the RNG states{_refused_globals(path)}: the file holds objects other than "
+            "tensors and plain values, which lmforge never writes there. Delete the file to resume without "
+            "restoring the random number generators."
+        ) from err
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError, RuntimeError, EOFError, OSError) as err:
+        raise CheckpointError(f"{path}: not an RNG state file lmforge can read ({err})") from err
+    return state
 
 
 def optimizers_of(optimizer: Any) -> tuple[torch.optim.Optimizer, ...]:
@@ -213,15 +318,15 @@ class Checkpointer:
                 # An interrupted save of an earlier process: never complete, never named by `latest`.
                 shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
 
-    def _barrier(self) -> None:
-        dist.barrier(group=self.group)
-
     def save(self, step: int, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> float:
         """Checkpoint after `step` steps; returns the seconds the caller was blocked."""
         t0 = time.perf_counter()
         self.wait()
         tmp = self.root / f"{_TMP_PREFIX}{step_name(step)}"
-        if self.ctx.is_main:
+
+        def prepare() -> None:
+            if not self.ctx.is_main:
+                return
             if tmp.exists():
                 shutil.rmtree(tmp)
             (tmp / "rng").mkdir(parents=True)
@@ -233,11 +338,12 @@ class Checkpointer:
                     shutil.copytree(src, tmp / name)
                 elif src.is_file():
                     shutil.copy2(src, tmp / name)
-        self._barrier()  # the folder exists before any rank writes into it
+
+        self._on_every_rank(step, prepare)  # the folder exists before any rank writes into it
         if self.model_only:
             payload: dict[str, Any] = {"model": get_model_state_dict(model)}
         else:
-            torch.save(rng_state(), tmp / "rng" / f"rank_{self.ctx.rank}.pt")
+            self._on_every_rank(step, lambda: torch.save(rng_state(), tmp / "rng" / f"rank_{self.ctx.rank}.pt"))
             model_sd, optim_sd = get_state_dict(model, optimizers_of(optimizer))
             payload = {"model": model_sd, "optim": optim_sd}
         payload = plain_state(payload)
@@ -245,7 +351,10 @@ class Checkpointer:
             future = dcp.async_save(payload, checkpoint_id=tmp, process_group=self.group)
             self._pending = (future, step)  # type: ignore[assignment]
         else:
-            dcp.save(payload, checkpoint_id=tmp)
+            try:
+                dcp.save(payload, checkpoint_id=tmp)
+            except (Exception, CheckpointException) as err:
+                raise self._failed(step, err) from None
             self._commit(step)
         return time.perf_counter() - t0
 
@@ -260,8 +369,52 @@ class Checkpointer:
             return
         future, step = self._pending
         self._pending = None
-        future.result()
+        try:
+            future.result()
+        except (Exception, CheckpointException) as err:
+            raise self._failed(step, err) from None
         self._commit(step)
+
+    def _on_every_rank(self, step: int, work: Callable[[], object]) -> None:
+        """Run this rank's part of a save, then agree with the other ranks (a barrier): a failure on any rank (a
+        full disk) makes every rank raise the same CheckpointError, instead of leaving the others waiting in the
+        next collective."""
+        error = None
+        try:
+            work()
+        except OSError as err:
+            error = f"{_failure_cause(err)} (on rank {self.ctx.rank})"
+        errors: list[str | None] = [error]
+        if self.ctx.world_size > 1:
+            errors = [None] * self.ctx.world_size
+            dist.all_gather_object(errors, error, group=self.group)
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise self._failed(step, failed[0])
+
+    def _failed(self, step: int, err: BaseException | str) -> CheckpointError:
+        """A failed save (a full disk, a lost file system): its unfinished folder removed, so nothing partial is
+        left for a resume to find, and the error every rank raises, naming the cause and what `latest` still
+        names. DCP reports a failure on any rank to all of them, so every rank gets here."""
+        latest = read_latest(self.root)
+        full = self._disk_full_note(latest)
+        if self.ctx.is_main:
+            shutil.rmtree(self.root / f"{_TMP_PREFIX}{step_name(step)}", ignore_errors=True)
+        kept = f"latest still names {step_name(latest)}" if latest is not None else "there is no earlier checkpoint"
+        cause = err if isinstance(err, str) else _failure_cause(err)
+        return CheckpointError(
+            f"saving checkpoint {step_name(step)} into {self.root} failed: {cause}{full}; its partial files were "
+            f"removed and {kept}"
+        )
+
+    def _disk_full_note(self, latest: int | None) -> str:
+        """A note when the file system has less room left than a checkpoint takes: some writers (torch's zip
+        files) report a full disk only as a failed write."""
+        if latest is None or not (self.root / step_name(latest)).is_dir():
+            return ""
+        size = sum(f.stat().st_size for f in (self.root / step_name(latest)).rglob("*") if f.is_file())
+        free = shutil.disk_usage(self.root).free
+        return f" (the disk is full: {free:,} bytes free, a checkpoint takes {size:,})" if free < size else ""
 
     def _commit(self, step: int) -> None:
         # DCP's save returns on rank 0 only after every rank's shards and the metadata are written.
@@ -270,6 +423,13 @@ class Checkpointer:
         tmp, final = self.root / f"{_TMP_PREFIX}{step_name(step)}", self.root / step_name(step)
         old = self.root / f"{_OLD_PREFIX}{step_name(step)}"
         if final.exists():  # a checkpoint of an abandoned continuation of this run (resumed from earlier)
+            if read_latest(self.root) == step:
+                # `latest` must name a complete checkpoint at every moment, also while step_N is swapped out.
+                earlier = [s for s in list_checkpoints(self.root) if s < step]
+                if earlier:
+                    write_atomic(self.root / LATEST, f"{earlier[-1]}\n")
+                else:
+                    (self.root / LATEST).unlink()
             os.replace(final, old)
         os.replace(tmp, final)
         write_atomic(self.root / LATEST, f"{step}\n")
@@ -341,7 +501,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: Any, rank: int) -> 
             group.update(saved)
     rng = path / "rng" / f"rank_{rank}.pt"
     if state.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1) and rng.is_file():
-        set_rng_state(torch.load(rng, weights_only=False))
+        set_rng_state(read_rng_state(rng))
     return state
 
 
