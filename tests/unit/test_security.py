@@ -7,8 +7,10 @@ where it is written; the others feed hostile files and names to the code that re
 from __future__ import annotations
 
 import ast
+import io
 import pickle
 import random
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +30,9 @@ from lmforge.parallel import DistContext, init_distributed
 from lmforge.runtime.checkpoint import (
     Checkpointer,
     CheckpointError,
+    SafeLoadPlanner,
     load_checkpoint,
+    load_model_state,
     read_rng_state,
     rng_state,
     set_rng_state,
@@ -263,3 +267,29 @@ def test_plain_names_are_accepted(tmp_path: Path) -> None:
     config, _ = load_train_config(["@", str(base), *flags, "--wandb.name", "lr 3e-3 / warmup 10%"])
     assert config.val.sets[1] == "quiz" and config.wandb.project == "my-proj.1"
     assert config.wandb.name == "lr 3e-3 / warmup 10%"  # a display name, never a path: free text
+
+
+def test_checkpoint_metadata_that_would_run_code_is_refused(ctx: DistContext, tmp_path: Path) -> None:
+    path, model, optimizer = _checkpoint(ctx, tmp_path / "run")
+    marker = tmp_path / "marker"
+    (path / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker), protocol=2))
+    for load in (lambda: load_checkpoint(path, model, optimizer, rank=0), lambda: load_model_state(path, model)):
+        with pytest.raises(
+            CheckpointError, match=r"\.metadata: refused to load the checkpoint's metadata: (__)?builtin(s|__)\.exec"
+        ):
+            load()
+    assert not marker.exists(), "unpickling ran the file's code"
+
+
+def test_checkpoint_entries_load_with_the_restricted_unpickler(ctx: DistContext, tmp_path: Path) -> None:
+    path, model, optimizer = _checkpoint(ctx, tmp_path / "run")
+    load_checkpoint(path, model, optimizer, rank=0)  # a real checkpoint's metadata and entries pass
+    marker = tmp_path / "marker"
+    buffer = io.BytesIO()
+    torch.save({"lr": _RunsCode(marker)}, buffer)
+    buffer.seek(0)
+    planner = SafeLoadPlanner()
+    item = types.SimpleNamespace(dest_index=types.SimpleNamespace(fqn="optim.param_groups.0.lr"))
+    with pytest.raises(CheckpointError, match=r"refused to load checkpoint entry optim\.param_groups\.0\.lr"):
+        planner.load_bytes(item, buffer)  # type: ignore[arg-type]
+    assert not marker.exists()

@@ -16,6 +16,7 @@ naming a complete checkpoint, and leftovers of an interrupted save are never mis
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -33,7 +34,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -449,10 +453,75 @@ class Checkpointer:
         self.wait()
 
 
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice"},
+}  # fmt: skip
+"""The globals a DCP `.metadata` file refers to (its dataclasses, torch sizes, dtypes and layouts, paths)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only what a checkpoint's `.metadata` holds: DCP's plain data classes and the values inside them. A
+    file that names anything else (a function to call, another module to import) is refused before it runs."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        """The global `module.name` when a checkpoint's metadata may refer to it, else UnpicklingError."""
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if dtype or name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+class SafeCheckpointReader(dcp.FileSystemReader):
+    """DCP's file-system reader with the metadata read by `_MetadataUnpickler` instead of `pickle.load`, for
+    checkpoints from a path the user names (`--resume.path`, export, sample, eval)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        """The checkpoint's metadata, refusing a file that would build anything but metadata."""
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except pickle.UnpicklingError as err:
+                raise CheckpointError(f"{path}: refused to load the checkpoint's metadata: {err}") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner with the non-tensor entries (optimizer hyperparameters, names) read by torch's restricted
+    unpickler (`weights_only=True`), not the full one."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        """Place one non-tensor entry, refusing one that holds more than plain values."""
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise CheckpointError(f"refused to load checkpoint entry {read_item.dest_index.fqn}: {err}") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _load(state: dict[str, Any], path: Path, **kwargs: Any) -> None:
+    """`dcp.load` of `state` from the checkpoint folder `path` through the safe reader and planner."""
+    dcp.load(state, storage_reader=SafeCheckpointReader(str(path)), planner=SafeLoadPlanner(), **kwargs)
+
+
 def _tensor_shapes(path: Path, prefix: str) -> dict[str, tuple[int, ...]]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = SafeCheckpointReader(str(path)).read_metadata()
     return {
         key[len(prefix) :]: tuple(meta.size)
         for key, meta in metadata.state_dict_metadata.items()
@@ -493,7 +562,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: Any, rank: int) -> 
         hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         model_sd, optim_sd = get_state_dict(model, optimizers_of(optimizer))
         payload = plain_state({"model": model_sd, "optim": optim_sd})
-        dcp.load(payload, checkpoint_id=path)
+        _load(payload, path)
         set_state_dict(
             model, optimizers_of(optimizer), model_state_dict=payload["model"], optim_state_dict=payload["optim"]
         )
@@ -509,7 +578,7 @@ def load_model_state(path: Path, model: nn.Module) -> None:
     """Load a checkpoint's or snapshot's model weights into the live, possibly sharded, model (every rank)."""
     check_model_shapes(path, model)
     model_sd = plain_state(get_model_state_dict(model))
-    dcp.load({"model": model_sd}, checkpoint_id=path)
+    _load({"model": model_sd}, path)
     set_model_state_dict(model, model_sd)
 
 
@@ -519,4 +588,4 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
     state = model.state_dict()
     with warnings.catch_warnings():  # DCP warns that it runs without a process group, which is the point here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load({"model": state}, checkpoint_id=path, no_dist=True)
+        _load({"model": state}, path, no_dist=True)
