@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from lmforge.commands.errors import CommandParser, fail, parse_args
@@ -25,6 +26,13 @@ def main(argv: list[str]) -> int:
     args = parse_args(_parser(), argv)
     if isinstance(args, int):
         return args
+    # Checked before the checkpoint is read: int() of a NaN or infinite size raises, and a size under one byte or a
+    # file in the way of --output would fail only once the weights are loaded, with a traceback.
+    shard_bytes = args.max_shard_size * 1e9
+    if not math.isfinite(shard_bytes) or shard_bytes < 1:
+        return fail("export", f"--max-shard-size {args.max_shard_size}: must be a finite number of GB, at least 1e-9")
+    if args.output.exists() and not args.output.is_dir():
+        return fail("export", f"--output {args.output}: exists and is not a folder")
     from rich.console import Console
 
     from lmforge.model.hf_config import HFModelError
@@ -32,7 +40,7 @@ def main(argv: list[str]) -> int:
     from lmforge.runtime.hf_folder import export_model
 
     try:
-        ckpt = export_model(args.source, args.output, args.dtype, int(args.max_shard_size * 1e9))
+        ckpt = export_model(args.source, args.output, args.dtype, int(shard_bytes))
     except (CheckpointError, HFModelError, FileExistsError) as e:
         return fail("export", str(e))
     Console().print(f"exported {ckpt} -> {args.output} ({args.dtype})", highlight=False)

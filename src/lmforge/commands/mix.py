@@ -87,8 +87,10 @@ def read_config(path: Path) -> dict[str, Any]:
             data = tomllib.load(f)
     except FileNotFoundError:
         raise MixError(f"config file {path} does not exist") from None
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise MixError(f"{path}: not a readable TOML file: {e}") from None
+    except (OSError, ValueError) as e:
+        # ValueError: TOMLDecodeError, bytes that are not UTF-8, an integer beyond int()'s 4300 digits, a NUL in the
+        # path. int()'s advice after the ';' is meant for programmers.
+        raise MixError(f"{path}: not a readable TOML file: {str(e).split(';')[0]}") from None
     unknown = sorted(set(data) - _CONFIG_KEYS)
     if unknown:
         raise MixError(f"{path}: unknown keys {unknown}; a mix config holds {sorted(_CONFIG_KEYS)}")

@@ -47,5 +47,7 @@ def main(argv: list[str]) -> int:
         names = plot_runs(args.run_dirs, args.metric or list(DEFAULT_METRICS), args.output, args.smoothing)
     except (RunError, PlotError) as e:
         return fail("plot", str(e))
+    except OSError as e:  # an --output that is a folder, or lies under a file; the message names the path
+        return fail("plot", f"{e.filename or args.output}: {e.strerror or e}")
     print(f"wrote {args.output}: {len(names)} metric(s) of {len(args.run_dirs)} run(s)")
     return 0

@@ -43,5 +43,7 @@ def main(argv: list[str]) -> int:
         write_report(args.run_dir, args.output, args.smoothing)
     except RunError as e:
         return fail("report", str(e))
+    except OSError as e:  # an --output that is a folder, or lies under a file; the message names the path
+        return fail("report", f"{e.filename or args.output}: {e.strerror or e}")
     print(f"wrote {args.output}")
     return 0

@@ -2,12 +2,50 @@
 
 from __future__ import annotations
 
+import argparse
+import math
 import sys
 from pathlib import Path
 
 import torch
 
 from lmforge.commands.errors import CommandParser, fail, parse_args
+
+MIN_TEMPERATURE = 1e-6
+"""The smallest positive --temperature: below it, logits / temperature can overflow to inf in float32, and the
+softmax of inf is NaN; such a temperature is greedy in all but name, and 0 says so."""
+
+
+def _device_problem(name: str) -> str | None:
+    """Why `--device name` cannot run the model, or None when it can."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        return f"--device {name!r}: {e}"
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            return f"--device {name}: no such CUDA device ({count} visible)"
+        return None
+    if device.type == "mps" and torch.backends.mps.is_available():
+        return None
+    return f"--device {name}: not available here; use cpu, cuda or cuda:N"
+
+
+def _flag_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the sampling flags, or None. Checked before the model loads, so that a bad flag is
+    reported at once rather than as a traceback from generation."""
+    if args.max_new_tokens < 0:
+        return f"--max-new-tokens {args.max_new_tokens}: must be 0 or more"
+    if not 0.0 < args.top_p <= 1.0:
+        return f"--top-p {args.top_p}: must be in (0, 1]"
+    if not (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature < math.inf):
+        return f"--temperature {args.temperature}: must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}"
+    if not -(2**63) <= args.seed < 2**64:
+        return f"--seed {args.seed}: must fit in 64 bits"
+    return None if args.device == "auto" else _device_problem(args.device)
 
 
 def main(argv: list[str]) -> int:
@@ -33,6 +71,9 @@ def main(argv: list[str]) -> int:
     args = parse_args(parser, argv)
     if isinstance(args, int):
         return args
+    problem = _flag_problem(args)
+    if problem is not None:
+        return fail("sample", problem)
 
     from lmforge.data.tokenizer import TokenizerError
     from lmforge.model.generate import TextStream, generate
@@ -63,17 +104,21 @@ def main(argv: list[str]) -> int:
     else:
         # Encoded as the training data was: the tokenizer's own post-processor decides whether a BOS comes first.
         ids = tokenizer.tokenizer.encode(args.prompt).ids
-        sys.stdout.write(args.prompt)
     stream = TextStream(tokenizer.tokenizer)
-    tokens = generate(
-        model,
-        ids,
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        eos_id=stop,
-    )
+    try:
+        tokens = generate(
+            model,
+            ids,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            eos_id=stop,
+        )
+    except ValueError as e:  # checked before the first token: a prompt longer than the model's context, say
+        return fail("sample", str(e))
+    if not args.chat:
+        sys.stdout.write(args.prompt)
     for token in tokens:
         if token in stop:
             break

@@ -10,6 +10,9 @@ from lmforge.prep.text_sources import SourceError
 from lmforge.prep.tokenizer_train import train_tokenizer
 
 SUBCOMMANDS = ("train",)
+MAX_VOCAB_SIZE = 2**24
+"""The largest --vocab-size: the BPE trainer reserves memory in proportion to it as training starts (283 GB for 2**31),
+and a reservation that fails aborts the process instead of raising. Real vocabularies are far below 2**24."""
 USAGE = "usage: lmforge tokenizer train INPUT [INPUT ...] --output DIR [options]  (lmforge tokenizer train --help)"
 
 
@@ -33,6 +36,10 @@ def train_main(argv: list[str]) -> int:
     args = parse_args(_train_parser(), argv)
     if isinstance(args, int):
         return args
+    if args.vocab_size > MAX_VOCAB_SIZE:
+        return fail("tokenizer train", f"--vocab-size {args.vocab_size}: must be at most {MAX_VOCAB_SIZE}")
+    if args.min_frequency >= 2**64:  # the trainer holds it in 64 bits
+        return fail("tokenizer train", f"--min-frequency {args.min_frequency}: must be below 2**64")
     try:
         trained = train_tokenizer(
             args.inputs,

@@ -72,7 +72,7 @@ def parse_value(raw: str) -> Any:
     """A flag value as TOML (`2048`, `3e-4`, `true`, `["a", "b"]`), else the plain string."""
     try:
         return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+    except ValueError:  # TOMLDecodeError, or an integer beyond Python's 4300-digit conversion limit
         return raw
 
 
@@ -94,12 +94,21 @@ def _flag_key(flag: str) -> str:
 def read_toml(path: Path) -> dict[str, Any]:
     """Parse one TOML file, with errors that name it."""
     try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
+        data = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a folder, not a TOML file") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+        raise ConfigError(f"config file {path} cannot be read: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8 text (byte {e.start})") from None
+    except ValueError as e:
+        # Besides TOMLDecodeError, tomllib lets through int()'s limit of 4300 digits, whose advice to call
+        # sys.set_int_max_str_digits (after the ';') is meant for programmers, not for the author of the file.
+        raise ConfigError(f"{path}: not valid TOML: {str(e).split(';')[0]}") from None
 
 
 def compose(argv: list[str]) -> RawConfig:

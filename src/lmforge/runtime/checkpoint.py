@@ -116,7 +116,7 @@ def list_checkpoints(root: Path) -> list[int]:
     if root.is_dir():
         for child in root.iterdir():
             name = child.name
-            if name.startswith("step_") and name[5:].isdigit() and is_complete(child):
+            if name.startswith("step_") and _is_number(name[5:]) and is_complete(child):
                 steps.append(int(name[5:]))
     return sorted(steps)
 
@@ -126,10 +126,19 @@ def read_latest(root: Path) -> int | None:
     path = root / LATEST
     if not path.is_file():
         return None
-    text = path.read_text().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{path} should hold a step number, found {text!r}")
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} should hold a step number, found bytes that are not text") from None
+    if not _is_number(text):
+        raise CheckpointError(f"{path} should hold a step number, found {text[:40]!r}")
     return int(text)
+
+
+def _is_number(text: str) -> bool:
+    """Whether `text` is a step number: ASCII digits only (`str.isdigit` also takes digits such as '²', which
+    `int` refuses)."""
+    return text.isascii() and text.isdigit()
 
 
 def write_atomic(path: Path, text: str) -> None:

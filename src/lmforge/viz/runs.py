@@ -49,6 +49,8 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise RunError(path, f"cannot read: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise RunError(path, f"not UTF-8 text (byte {e.start})") from e
     lines = text.split("\n")
     records: list[dict[str, Any]] = []
     for number, line in enumerate(lines, start=1):
@@ -87,11 +89,15 @@ def load_run(run_dir: str | Path) -> Run:
     config_text: str | None = None
     config: dict[str, Any] = {}
     if config_path.is_file():
-        config_text = config_path.read_text(encoding="utf-8")
         try:
+            config_text = config_path.read_text(encoding="utf-8")
             config = tomllib.loads(config_text)
-        except tomllib.TOMLDecodeError as e:
-            raise RunError(config_path, f"not valid TOML ({e})") from e
+        except OSError as e:
+            raise RunError(config_path, f"cannot read: {e.strerror or e}") from e
+        except UnicodeDecodeError as e:
+            raise RunError(config_path, f"not UTF-8 text (byte {e.start})") from e
+        except (tomllib.TOMLDecodeError, ValueError) as e:  # ValueError: an integer too long for Python to parse
+            raise RunError(config_path, f"not valid TOML ({str(e).splitlines()[0]})") from e
     return Run(path=path, name=path.resolve().name, config_text=config_text, config=config, records=records)
 
 
