@@ -331,8 +331,10 @@ class Checkpointer:
                 # An interrupted save of an earlier process: never complete, never named by `latest`.
                 shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
 
-    def save(self, step: int, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> float:
-        """Checkpoint after `step` steps; returns the seconds the caller was blocked."""
+    def save(self, step: int, model: nn.Module, optimizer: Any, state: dict[str, Any], commit: bool = True) -> float:
+        """Checkpoint after `step` steps; returns the seconds the caller was blocked. With `commit=False` a
+        synchronous save is written but named by `latest` only at the next `poll`, `wait` or `close`, as an async
+        one is: the trainer first logs the step's metrics, so a relaunch from `latest` never misses that line."""
         t0 = time.perf_counter()
         self.wait()
         tmp = self.root / f"{_TMP_PREFIX}{step_name(step)}"
@@ -368,11 +370,16 @@ class Checkpointer:
                 dcp.save(payload, checkpoint_id=tmp)
             except (Exception, CheckpointException) as err:
                 raise self._failed(step, err) from None
-            self._commit(step)
+            if commit:
+                self._commit(step)
+            else:
+                written: Future[Any] = Future()
+                written.set_result(None)
+                self._pending = (written, step)
         return time.perf_counter() - t0
 
     def poll(self) -> None:
-        """Commit a finished background save (cheap; called every step)."""
+        """Commit a finished background save or a written, not yet committed one (cheap; called every step)."""
         if self._pending is not None and self._pending[0].done():
             self.wait()
 

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lmforge.config.ckpt import CkptConfig
+from lmforge.data.batch import MicroBatch
 from lmforge.parallel import DistContext
 from lmforge.runtime.checkpoint import MODEL_FILES, Checkpointer
 from lmforge.train.callbacks import Callback
@@ -32,11 +34,17 @@ class Checkpointing(Callback):
             return True
         return self.cfg.interval is not None and step % self.cfg.interval == 0
 
+    def on_step_start(self, trainer: Trainer, micro_batches: Sequence[MicroBatch]) -> None:
+        """Commit the checkpoint the previous step wrote, now that its metrics are logged."""
+        self.checkpointer.poll()
+
     def after_optimizer_step(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        """Save when due or stopping (the blocked time goes to `time/save_ckpt`), else commit a finished save."""
+        """Save when due or stopping (the blocked time goes to `time/save_ckpt`), else commit a finished save. The
+        save is committed (named by `latest`) once the step's metrics are logged: at the next step's start or at
+        the end of training."""
         if self.due(trainer.step) or trainer.stop_agreed:
             metrics["time/save_ckpt"] = self.checkpointer.save(
-                trainer.step, trainer.model, trainer.optimizer, trainer.state_dict()
+                trainer.step, trainer.model, trainer.optimizer, trainer.state_dict(), commit=False
             )
             trainer.log.info("checkpoint of step %d (loop blocked %.3f s)", trainer.step, metrics["time/save_ckpt"])
         else:
