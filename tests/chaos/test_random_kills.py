@@ -18,6 +18,7 @@ and no unfinished save is left in `checkpoints/`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -100,21 +101,41 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[list[
     return out
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process under it, as a lost node loses them: torchrun starts its workers in sessions
+    of their own, so killing its process group would leave them running."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # the process ended while the table was read
+            children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = [pid], [pid]
+    while todo:  # the whole tree first: once the parent dies, its children are no longer listed under it
+        kids = children.get(todo.pop(), [])
+        tree += kids
+        todo += kids
+    for member in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)
+
+
 def _killed_run(cfg: Path, trial: Trial, duration: float) -> int:
     """Run the trial's command until it dies (or ends); returns its exit status."""
-    proc = subprocess.Popen(_command(cfg, trial), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=_env(trial), start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(_command(cfg, trial), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=_env(trial))  # fmt: skip
     try:
         if trial.point == "none":
             try:
                 proc.wait(timeout=trial.delay * duration)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # the whole group: torchrun and its workers, as a lost node
+                _kill_tree(proc.pid)  # torchrun and its workers, as a lost node
         proc.wait(timeout=240)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_tree(proc.pid)  # nothing of the trial may outlive it (a worker torchrun left behind, say)
+        proc.wait()
     return proc.returncode
 
 
