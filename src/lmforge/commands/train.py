@@ -1,5 +1,7 @@
 """`lmforge train [@ FILE.toml ...] [--section.field VALUE ...]` (also `sft`): validate the config, then train.
 
+With `--slurm` the run is submitted as a Slurm job instead (`lmforge slurm`).
+
 `--help` lists every config field with its default and meaning; `--help SECTION` (e.g. `--help data`) one section.
 """
 
@@ -26,8 +28,21 @@ def _help(argv: list[str]) -> int:
     return 0
 
 
+def _slurm_switch(argv: list[str]) -> int | None:
+    # A bare `--slurm` submits the run; `--slurm VALUE` is a (bad) value for the [slurm] section, reported as such.
+    for i, arg in enumerate(argv):
+        if arg == "--slurm" and (i + 1 == len(argv) or argv[i + 1].startswith(("--", "@"))):
+            return i
+    return None
+
+
 def main(argv: list[str]) -> int:
     """Validate the config, then train on this process's rank; returns the exit code."""
+    switch = _slurm_switch(argv)
+    if switch is not None:  # `sft --slurm ...`: the same run, submitted as a Slurm job
+        from lmforge.commands import slurm
+
+        return slurm.main(argv[:switch] + argv[switch + 1 :])
     if any(a in ("-h", "--help") for a in argv):
         return _help(argv)
     from lmforge.config import ConfigError, dump_toml, load_train_config

@@ -37,12 +37,15 @@ __all__ = [
 ]
 
 
-def load_train_config(argv: list[str], world_size: int = 1) -> tuple[TrainConfig, RawConfig]:
-    """Compose, validate and cross-check a training config from `@ file` arguments and flags."""
+def load_train_config(argv: list[str], world_size: int | None = 1) -> tuple[TrainConfig, RawConfig]:
+    """Compose, validate and cross-check a training config from `@ file` arguments and flags, for `world_size`
+    processes (None: the world size of its [deployment], nodes x processes per node)."""
     raw = compose(argv)
     config = validate(TrainConfig, raw)
     assert isinstance(config, TrainConfig)
     resolve_pretrained(config, raw)
+    if world_size is None:
+        world_size = config.deployment.num_nodes * config.deployment.procs_per_node
     check_config(config, world_size, raw)
     return config, raw
 

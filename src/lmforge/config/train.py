@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from lmforge.config.base import Section
 from lmforge.config.ckpt import CkptConfig, ResumeConfig
 from lmforge.config.data import DataConfig
+from lmforge.config.launch import DeploymentConfig, SlurmConfig
 from lmforge.config.model import ModelConfig
 from lmforge.config.optim import OptimConfig, ScheduleConfig
 from lmforge.config.parallel import ParallelConfig
@@ -86,6 +87,12 @@ class TrainConfig(Section):
 
     parallel: ParallelConfig = ParallelConfig()
     """The process group: how long a rank waits for the others (docs/training.md#when-a-rank-is-lost)."""
+
+    deployment: DeploymentConfig = DeploymentConfig()
+    """Nodes and processes per node of a launched run (`lmforge slurm`; docs/launch.md). Training ignores it."""
+
+    slurm: SlurmConfig = SlurmConfig()
+    """The Slurm job that `lmforge slurm` submits (docs/launch.md). Training ignores it."""
 
     @model_validator(mode="before")
     @classmethod

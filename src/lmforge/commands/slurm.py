@@ -1,0 +1,85 @@
+"""`lmforge slurm [@ FILE.toml ...] [--section.field VALUE ...]` (also `sft --slurm ...`): train as a Slurm job.
+
+The config is resolved and checked exactly as `lmforge train` does, for the world size of `[deployment]`, before
+anything is written or submitted. Then the resolved config goes to `<output_dir>/config.toml`, the job script
+rendered from the sbatch template to `<output_dir>/slurm/job.sbatch`, and `sbatch` submits it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from lmforge.commands.errors import fail
+
+USAGE = """\
+usage: lmforge slurm [@ FILE.toml ...] [--section.field VALUE ...] [--overwrite]
+                     [--dry-run] [--no-submit] [--print-template] [--help]
+
+Resolve and check the training config for [deployment] num_nodes x procs_per_node processes, write it and an sbatch
+script (from the [slurm] section) into the run directory, and submit the script with sbatch.
+
+  --dry-run         print the job script; write and submit nothing
+  --no-submit       write the config and the script, but do not submit
+  --overwrite       start a used output_dir over (its metrics and checkpoints are deleted now, at submission)
+  --print-template  print the built-in sbatch template (a start for slurm.template_path)
+
+Every config field is listed by `lmforge train --help`; [deployment] and [slurm] by `lmforge train --help slurm`
+and `--help deployment`."""
+
+
+def _flag(argv: list[str], name: str) -> bool:
+    present = name in argv
+    while name in argv:
+        argv.remove(name)
+    return present
+
+
+def main(argv: list[str]) -> int:
+    """Check the config, write the job, submit it; returns the exit code (2 for bad input or a refused job)."""
+    argv = list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    from lmforge.launch.sbatch import JobFiles, LaunchError, builtin_template, render_script
+
+    if _flag(argv, "--print-template"):
+        print(builtin_template(), end="")
+        return 0
+    no_submit = _flag(argv, "--no-submit")
+    overwrite = _flag(argv, "--overwrite")
+
+    from lmforge.config import ConfigError, load_train_config
+    from lmforge.runtime.checkpoint import CheckpointError
+    from lmforge.runtime.run_dir import prepare_output_dir
+
+    try:
+        config, raw = load_train_config(argv, world_size=None)
+        files = JobFiles(Path(config.output_dir).resolve())
+        script = render_script(config, files, Path.cwd())
+        if raw.dry_run:
+            print(script, end="")
+            return 0
+        prepare_output_dir(config, overwrite)
+        files.logs.mkdir(parents=True, exist_ok=True)
+        files.script.parent.mkdir(parents=True, exist_ok=True)
+        files.script.write_text(script, encoding="utf-8")
+        os.chmod(files.script, 0o755)
+        if no_submit:
+            print(f"lmforge slurm: wrote {files.script} and {files.config}; submit with: sbatch {files.script}")
+            return 0
+        from lmforge.launch.submit import submit
+
+        job_id = submit(files.script)
+    except (ConfigError, CheckpointError, LaunchError) as e:
+        return fail("slurm", str(e))
+    deploy = config.deployment
+    print(f"lmforge slurm: submitted job {job_id}: {deploy.num_nodes} node(s) x {deploy.procs_per_node} process(es)")
+    print(f"  script:  {files.script}")
+    print(f"  config:  {files.config}")
+    print(f"  job log: {files.job_log(job_id)}")
+    print(f"  nodes:   {files.logs}/node_<i>.log (ranks: {files.logs}/rank_<k>.log)")
+    # torchrun numbers the ranks in the order the nodes join, so the rank that prints the steps may be on any node
+    nodes = " ".join(str(files.node_log(i)) for i in range(min(deploy.num_nodes, 8)))
+    print(f"  follow:  tail -F {files.job_log(job_id)} {nodes}")
+    return 0
