@@ -1,18 +1,32 @@
-"""`lmforge tokenize INPUT ... --tokenizer DIR --output DIR [--holdout F --holdout-output DIR]`: token shards.
+"""`lmforge tokenize INPUT ... --tokenizer DIR --output DIR [--holdout F --holdout-output DIR] [--slurm ...]`.
 
-The work is `lmforge.prep.tokenize.tokenize_corpus`; this module turns flags into its arguments, prints a summary
-line per output folder, and reports bad input as one line.
+The work is `lmforge.prep.tokenize` (on this machine) or `lmforge.prep.tokenize_slurm` (`--slurm`: the same
+pipeline as Slurm array jobs); this module turns flags into their arguments, prints a summary line per output
+folder, and reports bad input as one line.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 from lmforge.commands.errors import CommandParser, fail, parse_args
+from lmforge.config.launch import SlurmConfig
+from lmforge.config.loader import ConfigError
 from lmforge.data.tokenizer import TokenizerError
 from lmforge.prep.text_sources import SourceError
-from lmforge.prep.tokenize import tokenize_corpus
+from lmforge.prep.tokenize import (
+    ShardSummary,
+    TokenizeJob,
+    TokenizePlan,
+    clear_outputs,
+    plan_tokenize,
+    tokenize_corpus,
+)
+
+SLURM_FLAGS = ("partition", "time", "account", "qos", "constraint", "cpus_per_task", "mem", "job_name")
+"""`[slurm]` fields that `lmforge tokenize --slurm` also takes as flags (`--cpus-per-task` for cpus_per_task)."""
 
 
 def _parser() -> CommandParser:
@@ -31,7 +45,63 @@ def _parser() -> CommandParser:
     parser.add_argument("--holdout", type=float, default=None, help="fraction of documents to hold out, in (0, 1)")
     parser.add_argument("--holdout-output", type=Path, default=None, help="folder for the holdout shards")
     parser.add_argument("--overwrite", action="store_true", help="replace the shards in existing output folders")
+    slurm = parser.add_argument_group("Slurm", "run the tasks as a Slurm array job per output folder")
+    slurm.add_argument("--slurm", action="store_true", help="submit the tokenizing to Slurm instead of running it here")
+    slurm.add_argument("--slurm-config", type=Path, default=None, help="TOML file whose [slurm] table sets the job")
+    for name in SLURM_FLAGS:
+        slurm.add_argument(f"--{name.replace('_', '-')}", dest=f"slurm_{name}", default=None, help=f"slurm.{name}")
+    slurm.add_argument("--wait", action="store_true", help="wait for the jobs to end, then print the summary")
+    slurm.add_argument("--wait-timeout", type=float, default=86400.0, help="seconds --wait waits at most")
     return parser
+
+
+def _slurm_config(args: argparse.Namespace) -> SlurmConfig:
+    """The [slurm] table of --slurm-config, with the flags on top, validated like a training config's."""
+    from lmforge.config.loader import RawConfig, read_toml, validate
+
+    raw = RawConfig()
+    if args.slurm_config is not None:
+        table = read_toml(args.slurm_config).get("slurm", {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{args.slurm_config}: [slurm] must be a table")
+        raw.values.update(table)
+        raw.sources.update({name: str(args.slurm_config) for name in table})
+    for name in SLURM_FLAGS:
+        value = getattr(args, f"slurm_{name}")
+        if value is not None:
+            raw.values[name] = int(value) if name == "cpus_per_task" and value.isdigit() else value
+            raw.sources[name] = "the command line"
+    config = validate(SlurmConfig, raw)
+    assert isinstance(config, SlurmConfig)
+    return config
+
+
+def _print_summary(results: list[tuple[TokenizeJob, ShardSummary]]) -> None:
+    for job, s in results:
+        print(f"{job.label}: {s.documents} documents, {s.tokens} tokens, {s.files} files -> {job.output}")
+        if s.documents == 0:
+            print(f"warning: {job.label} got no documents", file=sys.stderr)
+
+
+def _run_on_slurm(args: argparse.Namespace, plan: TokenizePlan, slurm: SlurmConfig) -> int:
+    from lmforge.launch.sbatch import LaunchError
+    from lmforge.prep.tokenize_slurm import submit_tokenize, wait_tokenize
+
+    try:
+        submitted = submit_tokenize(plan, slurm)
+    except LaunchError as e:
+        clear_outputs(plan)
+        return fail("tokenize", str(e))
+    for sub in submitted:
+        print(f"{sub.job.label}: submitted Slurm job {sub.job_id} ({sub.tasks} tasks) -> {sub.job.output}")
+        print(f"  logs: {sub.slurm_logs}")
+    if not args.wait:
+        return 0
+    try:
+        _print_summary(wait_tokenize(submitted, args.wait_timeout))
+    except (LaunchError, SourceError) as e:
+        return fail("tokenize", str(e))
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -39,8 +109,13 @@ def main(argv: list[str]) -> int:
     args = parse_args(_parser(), argv)
     if isinstance(args, int):
         return args
+    if not args.slurm:
+        given = [f"--{n.replace('_', '-')}" for n in SLURM_FLAGS if getattr(args, f"slurm_{n}") is not None]
+        if given or args.slurm_config is not None or args.wait:
+            return fail("tokenize", f"{(given or ['--slurm-config/--wait'])[0]} needs --slurm")
     try:
-        results = tokenize_corpus(
+        slurm = _slurm_config(args) if args.slurm else None
+        plan = plan_tokenize(
             args.inputs,
             args.tokenizer,
             args.output,
@@ -53,10 +128,10 @@ def main(argv: list[str]) -> int:
             holdout_output=args.holdout_output,
             overwrite=args.overwrite,
         )
-    except (SourceError, TokenizerError) as e:
+        if slurm is not None:
+            return _run_on_slurm(args, plan, slurm)
+        results = tokenize_corpus(plan)
+    except (ConfigError, SourceError, TokenizerError) as e:
         return fail("tokenize", str(e))
-    for job, s in results:
-        print(f"{job.label}: {s.documents} documents, {s.tokens} tokens, {s.files} files -> {job.output}")
-        if s.documents == 0:
-            print(f"warning: {job.label} got no documents", file=sys.stderr)
+    _print_summary(results)
     return 0

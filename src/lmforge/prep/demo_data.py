@@ -16,7 +16,7 @@ from rich.console import Console
 from lmforge.data.tokenizer import TokenizerError
 from lmforge.prep.shakespeare import shakespeare_scenes
 from lmforge.prep.text_sources import SourceError
-from lmforge.prep.tokenize import tokenize_corpus
+from lmforge.prep.tokenize import plan_tokenize, tokenize_corpus
 from lmforge.prep.tokenizer_train import save_tokenizer_folder, train_bpe
 
 VOCAB_SIZE = 4096
@@ -50,14 +50,10 @@ def prepare_demo_data(data_dir: Path, console: Console) -> None:
     console.print(f"demo data: training a {VOCAB_SIZE}-token byte-level BPE tokenizer")
     save_tokenizer_folder(train_bpe((s.text for s in scenes), vocab_size=VOCAB_SIZE), data_dir / "tokenizer")
     try:
-        results = tokenize_corpus(
-            [corpus],
-            data_dir / "tokenizer",
-            data_dir / "train",
-            seed=0,
-            holdout=HOLDOUT,
-            holdout_output=data_dir / "heldout",
+        plan = plan_tokenize(
+            [corpus], data_dir / "tokenizer", data_dir / "train", holdout=HOLDOUT, holdout_output=data_dir / "heldout"
         )
+        results = tokenize_corpus(plan)
     except (SourceError, TokenizerError) as e:
         raise DemoDataError(f"tokenizing the demo corpus failed: {e}") from e
     # The summary lines `lmforge tokenize` prints, as the demo showed when it ran that command; soft_wrap keeps each

@@ -1,8 +1,9 @@
 """Local text -> datatrove token shards, written by datatrove's own `DocumentTokenizer` (`lmforge tokenize`).
 
-Documents come from `text_sources` through a small reader step; datatrove's `LocalPipelineExecutor` runs `--tasks`
-tasks, each reading a disjoint share of the documents and writing its own shard files. An optional holdout split
-is drawn per document from (seed, document id) before tokenizing, so it does not depend on the number of tasks.
+Documents come from `text_sources` through a small reader step; datatrove's `LocalPipelineExecutor` (or, with
+`--slurm`, its `SlurmPipelineExecutor`: `prep/tokenize_slurm.py`) runs `--tasks` tasks, each reading a disjoint
+share of the documents and writing its own shard files. An optional holdout split is drawn
+per document from (seed, document id) before tokenizing, so it does not depend on the number of tasks.
 datatrove's logs and stats go to `<output>/.datatrove/`; shard readers only look at top-level `*.ds` files.
 """
 
@@ -116,13 +117,33 @@ def summarize_shards(folder: Path) -> ShardSummary:
     return ShardSummary(files, documents, tokens)
 
 
-def _remove_empty_shards(folder: Path) -> None:
+def _remove_empty_shards(folder: Path, prefix: str = "") -> None:
     # A task that got no documents leaves a 0-token file behind (and a split at --max-tokens-per-file can too);
     # a reader that checks the first document of every file for EOS would reject it, and it holds nothing.
-    for ds in folder.glob("*.ds"):
+    for ds in folder.glob(f"{prefix}*.ds"):
         if ds.stat().st_size == 0:
             for suffix in _SHARD_SUFFIXES:
                 (folder / f"{ds.name.removesuffix('.ds')}{suffix}").unlink(missing_ok=True)
+
+
+class DropEmptyShards(PipelineStep):
+    """datatrove pipeline step after the tokenizer: removes the empty shard files of its own task, so the folder
+    looks the same whichever executor (local or Slurm) ran the tasks."""
+
+    name = "lmforge empty-shard sweep"
+    type = "🧹 - CLEANUP"
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        """Let the steps before finish, then delete this task's empty files (its files start with its rank)."""
+        if data is not None:
+            for _ in data:
+                pass
+        _remove_empty_shards(self.folder, f"{rank:05d}_")
+        yield from ()
 
 
 def _is_ours(entry: Path) -> bool:
@@ -176,18 +197,16 @@ class TokenizeJob:
     """Which side of the holdout draw to keep; None keeps every document."""
 
 
-def run_tokenize_job(
+def tokenize_pipeline(
     job: TokenizeJob,
     files: list[InputFile],
     text_key: str,
     tokenizer_file: Path,
     eos_token: str,
-    tasks: int,
-    workers: int,
     seed: int,
     max_tokens_per_file: int | None,
-) -> ShardSummary:
-    """Tokenize the job's documents into `job.output` with datatrove; returns what the folder then holds."""
+) -> list[PipelineStep]:
+    """The datatrove steps of one job: read this task's documents, tokenize them into shards, drop empty files."""
     reader = TextReader(files, text_key, job.split, job.label)
     writer = DocumentTokenizer(
         output_folder=str(job.output),
@@ -197,17 +216,21 @@ def run_tokenize_job(
         seed=seed,
         shuffle_documents=True,
     )
+    return [reader, writer, DropEmptyShards(job.output)]
+
+
+def run_tokenize_job(pipeline: list[PipelineStep], output: Path, tasks: int, workers: int) -> ShardSummary:
+    """Run one job's pipeline on this machine with datatrove's local executor; returns what its folder holds."""
     executor = LocalPipelineExecutor(
-        pipeline=[reader, writer],
+        pipeline=pipeline,
         tasks=tasks,
         workers=workers,
-        logging_dir=str(job.output / LOG_DIR_NAME),
+        logging_dir=str(output / LOG_DIR_NAME),
         # The folder was emptied before, so there is nothing to resume; never skip a task on a stale marker.
         skip_completed=False,
     )
     executor.run()
-    _remove_empty_shards(job.output)
-    return summarize_shards(job.output)
+    return summarize_shards(output)
 
 
 def _cpu_count() -> int:
@@ -252,7 +275,21 @@ def _check_options(
             raise SourceError(f"--holdout-output {holdout_output}: must differ from --output")
 
 
-def tokenize_corpus(
+@dataclass(frozen=True)
+class TokenizePlan:
+    """A checked tokenize run, its output folders ready: the jobs and the steps of each."""
+
+    jobs: list[TokenizeJob]
+    """The output folders (train, and holdout when drawn)."""
+    pipelines: list[list[PipelineStep]]
+    """The datatrove steps of each job, in the order of `jobs`."""
+    tasks: int
+    """datatrove tasks per job, each writing its own files."""
+    workers: int | None
+    """Tasks run at once; None: min(tasks, usable CPUs) on this machine, no limit on Slurm."""
+
+
+def plan_tokenize(
     inputs: Sequence[Path],
     tokenizer: Path,
     output: Path,
@@ -265,33 +302,40 @@ def tokenize_corpus(
     holdout: float | None = None,
     holdout_output: Path | None = None,
     overwrite: bool = False,
-) -> list[tuple[TokenizeJob, ShardSummary]]:
-    """Tokenize the documents of `inputs` into datatrove token shards in `output` (and, with a `holdout` fraction
-    in (0, 1), the held-out documents into `holdout_output`); returns each job with what its folder then holds.
-
-    `tokenizer` is a tokenizer folder or `tokenizer.json`; `workers` defaults to min(`tasks`, usable CPUs). The
-    options, the tokenizer, the inputs and the output folders (see `prepare_outputs`) are all checked before any
-    tokenizing starts. Raises `SourceError` or `TokenizerError` for bad input; an input error met while tokenizing
-    clears the output folders again, so a fixed rerun needs no `overwrite`.
-    """
+) -> TokenizePlan:
+    """Check the options, the tokenizer, the inputs and the output folders (see `prepare_outputs`), then empty or
+    create the folders and build each job's pipeline: every document of `inputs` into `output`, or, with a
+    `holdout` fraction in (0, 1), the held-out documents into `holdout_output` and the rest into `output`.
+    `tokenizer` is a tokenizer folder or `tokenizer.json`. Raises `SourceError` or `TokenizerError` for bad input,
+    before any folder is touched."""
     _check_options(output, tasks, workers, max_tokens_per_file, holdout, holdout_output)
     jobs = tokenize_jobs(output, seed, holdout, holdout_output)
     info = load_tokenizer(tokenizer)
     files = list_input_files(list(inputs))
     prepare_outputs({job.flag: job.output for job in jobs}, overwrite)
-    if workers is None:
-        workers = min(tasks, _cpu_count())
+    pipelines = [
+        tokenize_pipeline(job, files, text_key, info.path.resolve(), info.eos_token, seed, max_tokens_per_file)
+        for job in jobs
+    ]
+    return TokenizePlan(jobs, pipelines, tasks, workers)
+
+
+def clear_outputs(plan: TokenizePlan) -> None:
+    """Delete everything a failed run wrote into the output folders (they were empty or cleared before it)."""
+    for job in plan.jobs:
+        _clear(job.output)
+
+
+def tokenize_corpus(plan: TokenizePlan) -> list[tuple[TokenizeJob, ShardSummary]]:
+    """Run a plan's jobs on this machine (datatrove's local executor); returns each job with what its folder then
+    holds. An input error met while tokenizing (`SourceError`) clears the output folders again, so a fixed rerun
+    needs no `overwrite`."""
+    workers = plan.workers if plan.workers is not None else min(plan.tasks, _cpu_count())
     results: list[tuple[TokenizeJob, ShardSummary]] = []
     try:
-        for job in jobs:
-            summary = run_tokenize_job(
-                job, files, text_key, info.path.resolve(), info.eos_token, tasks, workers, seed, max_tokens_per_file
-            )
-            results.append((job, summary))
+        for job, pipeline in zip(plan.jobs, plan.pipelines, strict=True):
+            results.append((job, run_tokenize_job(pipeline, job.output, plan.tasks, workers)))
     except SourceError:
-        # Everything in the output folders was written by this call (they were empty or cleared): drop the
-        # partial shards so that the folders look as they did before.
-        for job in jobs:
-            _clear(job.output)
+        clear_outputs(plan)
         raise
     return results
