@@ -110,6 +110,23 @@ def test_wrong_type_names_file_field_and_value(base: Path) -> None:
     assert "data.seq_len" in msg and "the command line" in msg and "integer" in msg and "'long'" in msg
 
 
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_infinite_and_nan_numbers_are_refused(base: Path, value: str) -> None:
+    with pytest.raises(ConfigError, match=r"optim.lr \(from the command line\): Input should be a finite number"):
+        load_train_config(["@", str(base), "--optim.lr", value])
+
+
+def test_a_union_of_a_name_and_a_table_reports_the_member_meant(base: Path) -> None:
+    # `val.sets` items are a set name or a table: a table is checked as a table, anything else as a name
+    with pytest.raises(ConfigError) as err:
+        load_train_config(["@", str(base), "--val.sets", '[1, {name = "a/b", path = "x"}]'])
+    lines = str(err.value).splitlines()[1:]
+    assert lines == [
+        "  val.sets.0 (from the command line): Input should be a valid string, got 1",
+        "  val.sets.1.name (from the command line): String should match pattern '^[A-Za-z0-9_.-]+$', got 'a/b'",
+    ]
+
+
 def test_missing_required_field() -> None:
     msg = error_of(["--max-steps", "3"])
     assert "output_dir: required field is missing" in msg

@@ -35,8 +35,9 @@ def _flag(argv: list[str], name: str) -> bool:
     return present
 
 
-def main(argv: list[str]) -> int:
-    """Check the config, write the job, submit it; returns the exit code (2 for bad input or a refused job)."""
+def main(argv: list[str], command: str = "slurm") -> int:
+    """Check the config, write the job, submit it; returns the exit code (2 for bad input or a refused job).
+    `command` names the command in messages (`train` for `lmforge train --slurm`)."""
     argv = list(argv)
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
@@ -66,15 +67,16 @@ def main(argv: list[str]) -> int:
         files.script.write_text(script, encoding="utf-8")
         os.chmod(files.script, 0o755)
         if no_submit:
-            print(f"lmforge slurm: wrote {files.script} and {files.config}; submit with: sbatch {files.script}")
+            print(f"lmforge {command}: wrote {files.script} and {files.config}; submit with: sbatch {files.script}")
             return 0
         from lmforge.launch.submit import submit
 
         job_id = submit(files.script)
     except (ConfigError, CheckpointError, LaunchError) as e:
-        return fail("slurm", str(e))
+        return fail(command, str(e))
     deploy = config.deployment
-    print(f"lmforge slurm: submitted job {job_id}: {deploy.num_nodes} node(s) x {deploy.procs_per_node} process(es)")
+    shape = f"{deploy.num_nodes} node(s) x {deploy.procs_per_node} process(es)"
+    print(f"lmforge {command}: submitted job {job_id}: {shape}")
     print(f"  script:  {files.script}")
     print(f"  config:  {files.config}")
     print(f"  job log: {files.job_log(job_id)}")

@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     if switch is not None:  # `sft --slurm ...`: the same run, submitted as a Slurm job
         from lmforge.commands import slurm
 
-        return slurm.main(argv[:switch] + argv[switch + 1 :])
+        return slurm.main(argv[:switch] + argv[switch + 1 :], command="train")
     if any(a in ("-h", "--help") for a in argv):
         return _help(argv)
     from lmforge.config import ConfigError, dump_toml, load_train_config

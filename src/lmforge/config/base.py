@@ -8,4 +8,7 @@ from pydantic import BaseModel, ConfigDict
 class Section(BaseModel):
     """A TOML section: unknown fields are rejected and each field's docstring is its description."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    # No field means anything at infinity or NaN (TOML writes them `inf` and `nan`): refuse them where they are set.
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, allow_inf_nan=False
+    )

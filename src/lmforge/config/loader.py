@@ -172,6 +172,8 @@ def _field_index(model: type[BaseModel]) -> tuple[dict[str, list[str]], frozense
                 if isinstance(ann, type) and issubclass(ann, BaseModel):
                     key = info.alias or name
                     walk(ann, f"{prefix}.{key}" if prefix else key)
+                    # a plain union (`str | ValSetConfig`) names its member in the error location
+                    tags.add(ann.__name__)
                     tag_field = ann.model_fields.get("type") or ann.model_fields.get("model_type")
                     if tag_field is not None:
                         tags.update(str(a) for a in get_args(tag_field.annotation))
@@ -207,12 +209,37 @@ def _describe(err: Mapping[str, Any], raw: RawConfig, model: type[BaseModel]) ->
     return f"{dotted} (from {src}): {msg}"
 
 
+_SCALAR_TAGS = frozenset({"str", "int", "float", "bool"})
+
+
+def _one_union_member(errors: list[Any], tags: frozenset[str]) -> list[Any]:
+    """Drop the errors of the union member the value was not meant for: a value of `str | Table` that is a table
+    is reported against the table's fields only, anything else against the scalar only."""
+    scalar_input: dict[tuple[Any, ...], Any] = {}
+    for err in errors:
+        loc = err["loc"]
+        for i, part in enumerate(loc):
+            if part in _SCALAR_TAGS and i == len(loc) - 1:
+                scalar_input[tuple(loc[:i])] = err.get("input")
+    kept = []
+    for err in errors:
+        loc = err["loc"]
+        prefix = next((tuple(loc[:i]) for i, p in enumerate(loc) if p in tags or p in _SCALAR_TAGS), None)
+        if prefix in scalar_input:
+            table = isinstance(scalar_input[prefix], dict)
+            if table == (loc[len(prefix)] in _SCALAR_TAGS):
+                continue
+        kept.append({**err, "loc": tuple(p for p in loc if p not in _SCALAR_TAGS)})
+    return kept
+
+
 def validate(model: type[BaseModel], raw: RawConfig) -> BaseModel:
     """Validate a merged config; every error becomes one line naming the source, field and expectation."""
     try:
         return model.model_validate(raw.values)
     except ValidationError as e:
-        lines = [_describe(err, raw, model) for err in e.errors()]
+        _, tags = _field_index(model)
+        lines = [_describe(err, raw, model) for err in _one_union_member(e.errors(), tags)]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 

@@ -35,7 +35,7 @@ class MoESpec:
 
 
 class _ArchBase(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True, allow_inf_nan=False)
 
     hidden_size: int = Field(gt=0)
     """Width of the residual stream."""

@@ -151,9 +151,10 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def find_checkpoint(path: Path, step: int | str) -> Path | None:
+def find_checkpoint(path: Path, step: int | str, why: str = "resume.step = 'latest' but ") -> Path | None:
     """Resolve a resume request: `path` is a run directory or one checkpoint folder; `step` a number, `latest`
-    or `auto`. Returns None only for `auto` when the run has no checkpoint yet."""
+    or `auto`. Returns None only for `auto` when the run has no checkpoint yet. `why` begins the message when
+    `latest` finds none (the default names the resume request)."""
     if (path / TRAINER_STATE).is_file() or path.name.startswith("step_"):
         if not is_complete(path):
             raise CheckpointError(f"checkpoint {path} is incomplete (no .metadata or {TRAINER_STATE})")
@@ -172,7 +173,7 @@ def find_checkpoint(path: Path, step: int | str) -> Path | None:
     if latest is None:
         if step == "auto":
             return None
-        raise CheckpointError(f"resume.step = 'latest' but {root} has no checkpoint ({root / LATEST} is missing)")
+        raise CheckpointError(f"{why}{root} has no checkpoint ({root / LATEST} is missing)")
     target = root / step_name(latest)
     if not is_complete(target):
         raise CheckpointError(f"{root / LATEST} names step {latest} but {target} is missing or incomplete")

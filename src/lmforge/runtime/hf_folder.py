@@ -63,7 +63,7 @@ def copy_tokenizer_files(tokenizer_json: Path, dst: Path) -> None:
 
 
 def _checkpoint_of(path: Path) -> Path:
-    ckpt = find_checkpoint(path, "latest")
+    ckpt = find_checkpoint(path, "latest", why="")
     assert ckpt is not None
     if not (ckpt / MODEL_FILES / "config.json").is_file():
         raise CheckpointError(f"checkpoint {ckpt} has no {MODEL_FILES}/config.json: it cannot be exported")
