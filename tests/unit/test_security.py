@@ -44,8 +44,9 @@ from tests.unit.test_config import BASE
 SRC = Path(lmforge.__file__).parent
 CPU = torch.device("cpu")
 
-TORCH_LOAD_ALLOWED = {"runtime/checkpoint.py"}
-"""Files that may call `torch.load` at all (always with weights_only=True): only the checkpoint's RNG states."""
+TORCH_LOAD_ALLOWED = {"runtime/rng_state.py", "runtime/safe_load.py"}
+"""Files that may call `torch.load` at all (always with weights_only=True): a checkpoint's RNG states and the
+non-tensor entries of its DCP files."""
 
 PICKLE_MODULES = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}
 
@@ -245,7 +246,7 @@ def _config_error(tmp_path: Path, *flags: str) -> str:
 def test_val_set_names_cannot_leave_the_run_directory(tmp_path: Path, name: str) -> None:
     quoted = '"' + name.replace("\\", "\\\\") + '"'  # a TOML string
     table = _config_error(tmp_path, "--val.sets", f"[{{name = {quoted}, path = 'x'}}]")
-    assert "val.sets.0.ValSetConfig.name (from the command line)" in table
+    assert "val.sets.0.name (from the command line)" in table
     listed = _config_error(tmp_path, "--val.sets", f'["ok", {quoted}]')
     assert "val.sets (from the command line): " in listed and "entry 1" in listed
     assert "plain name" in listed or "must not be empty" in listed

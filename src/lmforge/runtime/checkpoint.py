@@ -16,28 +16,21 @@ naming a complete checkpoint, and leftovers of an interrupted save are never mis
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import pickle
-import random
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -48,18 +41,53 @@ from torch.distributed.tensor import DTensor
 
 from lmforge.config.ckpt import CkptConfig
 from lmforge.parallel import DistContext
+from lmforge.runtime.ckpt_layout import (
+    CHECKPOINTS,
+    LATEST,
+    MODEL_FILES,
+    OLD_PREFIX,
+    SNAPSHOTS,
+    TMP_PREFIX,
+    TRAINER_STATE,
+    CheckpointError,
+    find_checkpoint,
+    is_complete,
+    list_checkpoints,
+    read_latest,
+    retained,
+    step_name,
+    write_atomic,
+)
+from lmforge.runtime.rng_state import RNG_FORMAT, read_rng_state, rng_state, set_rng_state
+from lmforge.runtime.safe_load import SafeCheckpointReader, SafeLoadPlanner
 
-CHECKPOINTS = "checkpoints"
-SNAPSHOTS = "snapshots"
-LATEST = "latest"
-TRAINER_STATE = "trainer.json"
-MODEL_FILES = "model"
-_TMP_PREFIX = ".tmp_"
-_OLD_PREFIX = ".old_"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete or does not fit the configured model; the message names it."""
+__all__ = [
+    "CHECKPOINTS",
+    "LATEST",
+    "MODEL_FILES",
+    "RNG_FORMAT",
+    "SNAPSHOTS",
+    "TRAINER_STATE",
+    "CheckpointError",
+    "Checkpointer",
+    "SafeCheckpointReader",
+    "SafeLoadPlanner",
+    "find_checkpoint",
+    "is_complete",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_model_state",
+    "load_model_weights",
+    "plain_state",
+    "read_latest",
+    "read_rng_state",
+    "read_trainer_state",
+    "retained",
+    "rng_state",
+    "set_rng_state",
+    "step_name",
+    "write_atomic",
+]
 
 
 def _plain(t: Any) -> Any:
@@ -100,208 +128,6 @@ def _failure_cause(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def step_name(step: int) -> str:
-    """Folder name of the checkpoint taken after `step` optimizer steps."""
-    return f"step_{step}"
-
-
-def is_complete(path: Path) -> bool:
-    """Whether `path` holds a committed checkpoint (DCP metadata and trainer state both written)."""
-    return (path / ".metadata").is_file() and (path / TRAINER_STATE).is_file()
-
-
-def list_checkpoints(root: Path) -> list[int]:
-    """Steps of the complete checkpoints under a `checkpoints/` folder, ascending."""
-    steps = []
-    if root.is_dir():
-        for child in root.iterdir():
-            name = child.name
-            if name.startswith("step_") and _is_number(name[5:]) and is_complete(child):
-                steps.append(int(name[5:]))
-    return sorted(steps)
-
-
-def read_latest(root: Path) -> int | None:
-    """The step `checkpoints/latest` names, if the file exists."""
-    path = root / LATEST
-    if not path.is_file():
-        return None
-    try:
-        text = path.read_text(encoding="utf-8").strip()
-    except UnicodeDecodeError:
-        raise CheckpointError(f"{path} should hold a step number, found bytes that are not text") from None
-    if not _is_number(text):
-        raise CheckpointError(f"{path} should hold a step number, found {text[:40]!r}")
-    return int(text)
-
-
-def _is_number(text: str) -> bool:
-    """Whether `text` is a step number: ASCII digits only (`str.isdigit` also takes digits such as '²', which
-    `int` refuses)."""
-    return text.isascii() and text.isdigit()
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Replace `path` with `text` so a reader sees either the old or the new content, never a torn one."""
-    tmp = path.with_name(f"{_TMP_PREFIX}{path.name}")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def find_checkpoint(path: Path, step: int | str, why: str = "resume.step = 'latest' but ") -> Path | None:
-    """Resolve a resume request: `path` is a run directory or one checkpoint folder; `step` a number, `latest`
-    or `auto`. Returns None only for `auto` when the run has no checkpoint yet. `why` begins the message when
-    `latest` finds none (the default names the resume request)."""
-    if (path / TRAINER_STATE).is_file() or path.name.startswith("step_"):
-        if not is_complete(path):
-            raise CheckpointError(f"checkpoint {path} is incomplete (no .metadata or {TRAINER_STATE})")
-        if isinstance(step, int) and path.name != step_name(step):
-            raise CheckpointError(f"resume.step = {step} but resume.path names the checkpoint {path}")
-        return path
-    root = path / CHECKPOINTS
-    available = list_checkpoints(root)
-    if isinstance(step, int):
-        target = root / step_name(step)
-        if not is_complete(target):
-            have = ", ".join(map(str, available)) or "none"
-            raise CheckpointError(f"no complete checkpoint for step {step} in {root} (complete checkpoints: {have})")
-        return target
-    latest = read_latest(root)
-    if latest is None:
-        if step == "auto":
-            return None
-        raise CheckpointError(f"{why}{root} has no checkpoint ({root / LATEST} is missing)")
-    target = root / step_name(latest)
-    if not is_complete(target):
-        raise CheckpointError(f"{root / LATEST} names step {latest} but {target} is missing or incomplete")
-    return target
-
-
-def retained(steps: Iterable[int], keep_last: int, keep_interval: int | None) -> set[int]:
-    """The checkpoint steps retention keeps: the keep_last newest and every multiple of keep_interval."""
-    ordered = sorted(steps)
-    keep = set(ordered[-keep_last:])
-    if keep_interval:
-        keep |= {s for s in ordered if s % keep_interval == 0}
-    return keep
-
-
-RNG_FORMAT = 2
-"""Layout of `rng/rank_<k>.pt`: tensors and plain Python values only, so that it loads with `weights_only=True`.
-The first layout (no "format" key) held numpy's state as an array; `read_rng_state` still reads it."""
-
-
-def _layout(torch_state: torch.Tensor, python_state: tuple[Any, ...], numpy_state: tuple[Any, ...],
-            cuda_state: torch.Tensor | None) -> dict[str, Any]:  # fmt: skip
-    """Generator states as `RNG_FORMAT` stores them, from `random.getstate()` and `np.random.get_state()`."""
-    version, internal, gauss_next = python_state
-    algorithm, key, pos, has_gauss, cached = numpy_state
-    if not isinstance(key, np.ndarray) or key.dtype != np.uint32:
-        raise TypeError(f"numpy key of type {getattr(key, 'dtype', type(key).__name__)}, expected uint32")
-    state: dict[str, Any] = {
-        "format": RNG_FORMAT,
-        "torch": torch_state,
-        "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss_next": gauss_next},
-        "numpy": {
-            "algorithm": str(algorithm),
-            # uint32 words held as int64: exact, and a dtype every torch version serializes.
-            "key": torch.from_numpy(key.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        },
-    }
-    if cuda_state is not None:
-        state["cuda"] = cuda_state
-    return state
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's random number generator states, as tensors, numbers and strings only (see `RNG_FORMAT`)."""
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    return _layout(torch.get_rng_state(), random.getstate(), np.random.get_state(legacy=True), cuda)
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what `rng_state` returned."""
-    py, nps = state["python"], state["numpy"]
-    torch.set_rng_state(state["torch"])
-    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
-    key = nps["key"].numpy().astype(np.uint32)
-    np.random.set_state((nps["algorithm"], key, nps["pos"], nps["has_gauss"], nps["cached_gaussian"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _numpy_array_globals() -> list[Any]:
-    """What unpickling a numpy array needs, under the module names numpy 1 and numpy 2 pickle it with. Building an
-    array runs no code of the file's choosing; an object array's items still pass the restricted unpickler."""
-    core = getattr(np, "_core", None) or np.core
-    reconstruct = core.multiarray._reconstruct
-    return [
-        (reconstruct, "numpy.core.multiarray._reconstruct"),
-        (reconstruct, "numpy._core.multiarray._reconstruct"),
-        np.ndarray,
-        np.dtype,
-        type(np.dtype(np.uint32)),  # numpy 2 pickles a dtype through its class; the key is uint32
-    ]
-
-
-_RNG_FIELDS = {"python": ("version", "state", "gauss_next"),
-               "numpy": ("algorithm", "key", "pos", "has_gauss", "cached_gaussian")}  # fmt: skip
-
-
-def _check_layout(state: Any) -> None:
-    """Raise TypeError unless `state` has the fields `set_rng_state` reads, so a foreign file fails by name."""
-    if not isinstance(state, dict):
-        raise TypeError(f"expected a dict, found a {type(state).__name__}")
-    if state.get("format") != RNG_FORMAT:
-        raise TypeError(f"format {state.get('format')!r}, expected {RNG_FORMAT}")
-    if not isinstance(state.get("torch"), torch.Tensor):
-        raise TypeError("no torch generator state")
-    for part, fields in _RNG_FIELDS.items():
-        if not isinstance(state.get(part), dict) or any(f not in state[part] for f in fields):
-            raise TypeError(f"{part!r} should be a dict with {', '.join(fields)}")
-    if not isinstance(state["python"]["state"], torch.Tensor) or not isinstance(state["numpy"]["key"], torch.Tensor):
-        raise TypeError("the Python state and the numpy key should be tensors")
-
-
-def _refused_globals(path: Path) -> str:
-    """The globals a refused file names, for the error message (found without unpickling it), or ""."""
-    try:
-        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except Exception:  # not a torch.save zip file, or not even that: the message then only says it was refused
-        return ""
-    return f" (it refers to {', '.join(sorted(found))})" if found else ""
-
-
-def read_rng_state(path: Path) -> dict[str, Any]:
-    """The RNG states in a checkpoint's `rng/rank_<k>.pt`, read with torch's restricted unpickler only: a file that
-    would need anything beyond tensors, plain values and (in the first layout) numpy arrays is refused with a
-    CheckpointError naming it, before any of its objects is built."""
-    try:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError:
-            # The first layout holds numpy's state as an array: allow exactly what building one takes.
-            with torch.serialization.safe_globals(_numpy_array_globals()):
-                first = torch.load(path, map_location="cpu", weights_only=True)
-            state = _layout(first["torch"], first["python"], first["numpy"], first.get("cuda"))
-        _check_layout(state)
-    except pickle.UnpicklingError as err:
-        raise CheckpointError(
-            f"{path}: refused to load the RNG states{_refused_globals(path)}: the file holds objects other than "
-            "tensors and plain values, which lmforge never writes there. Delete the file to resume without "
-            "restoring the random number generators."
-        ) from err
-    except (AttributeError, IndexError, KeyError, TypeError, ValueError, RuntimeError, EOFError, OSError) as err:
-        raise CheckpointError(f"{path}: not an RNG state file lmforge can read ({err})") from err
-    return state
-
-
 def optimizers_of(optimizer: Any) -> tuple[torch.optim.Optimizer, ...]:
     """The torch optimizers behind the trainer's optimizer (an `Optimizers` set, or a single one)."""
     return tuple(getattr(optimizer, "optimizers", (optimizer,)))
@@ -328,7 +154,7 @@ class Checkpointer:
         self._pending: tuple[Future[Any], int] | None = None
         if ctx.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
-            for leftover in self.root.glob(f"{_TMP_PREFIX}*"):
+            for leftover in self.root.glob(f"{TMP_PREFIX}*"):
                 # An interrupted save of an earlier process: never complete, never named by `latest`.
                 shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
 
@@ -338,7 +164,7 @@ class Checkpointer:
         one is: the trainer first logs the step's metrics, so a relaunch from `latest` never misses that line."""
         t0 = time.perf_counter()
         self.wait()
-        tmp = self.root / f"{_TMP_PREFIX}{step_name(step)}"
+        tmp = self.root / f"{TMP_PREFIX}{step_name(step)}"
 
         def prepare() -> None:
             if not self.ctx.is_main:
@@ -420,7 +246,7 @@ class Checkpointer:
         latest = read_latest(self.root)
         full = self._disk_full_note(latest)
         if self.ctx.is_main:
-            shutil.rmtree(self.root / f"{_TMP_PREFIX}{step_name(step)}", ignore_errors=True)
+            shutil.rmtree(self.root / f"{TMP_PREFIX}{step_name(step)}", ignore_errors=True)
         kept = f"latest still names {step_name(latest)}" if latest is not None else "there is no earlier checkpoint"
         cause = err if isinstance(err, str) else _failure_cause(err)
         return CheckpointError(
@@ -441,8 +267,8 @@ class Checkpointer:
         # DCP's save returns on rank 0 only after every rank's shards and the metadata are written.
         if not self.ctx.is_main:
             return
-        tmp, final = self.root / f"{_TMP_PREFIX}{step_name(step)}", self.root / step_name(step)
-        old = self.root / f"{_OLD_PREFIX}{step_name(step)}"
+        tmp, final = self.root / f"{TMP_PREFIX}{step_name(step)}", self.root / step_name(step)
+        old = self.root / f"{OLD_PREFIX}{step_name(step)}"
         if final.exists():  # a checkpoint of an abandoned continuation of this run (resumed from earlier)
             if read_latest(self.root) == step:
                 # `latest` must name a complete checkpoint at every moment, also while step_N is swapped out.
@@ -468,66 +294,6 @@ class Checkpointer:
     def close(self) -> None:
         """Finish a background save (every rank), so no process exits with its shards half-written."""
         self.wait()
-
-
-_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-                                              "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                                              "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "slice"},
-}  # fmt: skip
-"""The globals a DCP `.metadata` file refers to (its dataclasses, torch sizes, dtypes and layouts, paths)."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only what a checkpoint's `.metadata` holds: DCP's plain data classes and the values inside them. A
-    file that names anything else (a function to call, another module to import) is refused before it runs."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        """The global `module.name` when a checkpoint's metadata may refer to it, else UnpicklingError."""
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if dtype or name in _METADATA_CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
-
-
-class SafeCheckpointReader(dcp.FileSystemReader):
-    """DCP's file-system reader with the metadata read by `_MetadataUnpickler` instead of `pickle.load`, for
-    checkpoints from a path the user names (`--resume.path`, export, sample, eval)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        """The checkpoint's metadata, refusing a file that would build anything but metadata."""
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            try:
-                metadata = _MetadataUnpickler(f).load()
-            except pickle.UnpicklingError as err:
-                raise CheckpointError(f"{path}: refused to load the checkpoint's metadata: {err}") from None
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner with the non-tensor entries (optimizer hyperparameters, names) read by torch's restricted
-    unpickler (`weights_only=True`), not the full one."""
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        """Place one non-tensor entry, refusing one that holds more than plain values."""
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as err:
-            raise CheckpointError(f"refused to load checkpoint entry {read_item.dest_index.fqn}: {err}") from None
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 def _load(state: dict[str, Any], path: Path, **kwargs: Any) -> None:
