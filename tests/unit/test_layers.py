@@ -1,5 +1,5 @@
 """Imports point one way: cli -> commands -> train -> eval -> runtime / parallel -> prep / viz -> data / model /
-optim / monitor -> config. Walks every module of the package (imports inside functions included, type-only imports
+optim / monitor / launch -> config. Walks every module of the package (imports inside functions included, type-only imports
 under `if TYPE_CHECKING:` left out) and fails on any import of a higher layer or a sideways one not allowed below."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ LAYERS: dict[str, int] = {
     "model": 1,
     "optim": 1,
     "monitor": 1,
+    "launch": 1,
     "prep": 2,
     "viz": 2,
     "parallel": 3,
