@@ -1,6 +1,7 @@
 """Imports point one way: cli -> commands -> train -> eval -> runtime / parallel -> prep / viz -> data / model /
-optim / monitor / launch -> config. Walks every module of the package (imports inside functions included, type-only imports
-under `if TYPE_CHECKING:` left out) and fails on any import of a higher layer or a sideways one not allowed below."""
+optim / monitor / launch -> config. Walks every module of the package (imports inside functions included, type-only
+imports under `if TYPE_CHECKING:` left out) and fails on any import of a higher layer or a sideways one not allowed
+below."""
 
 from __future__ import annotations
 
