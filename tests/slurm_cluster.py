@@ -31,11 +31,10 @@ from typing import Any
 
 import pytest
 
+from lmforge.launch.submit import TERMINAL_STATES
+
 CLIENT_BINARIES = ("sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo")
 DAEMON_BINARIES = ("slurmctld", "slurmd", "munged", "munge", "unmunge")
-TERMINAL_STATES = frozenset(
-    {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
-)
 NODE_NAMES = ("lmf-node1", "lmf-node2")
 HOSTS_FILE = Path("/etc/hosts")
 HOSTS_LINE = f"127.0.0.1 {' '.join(NODE_NAMES)} # lmforge-test-slurm"

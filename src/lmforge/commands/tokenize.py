@@ -22,6 +22,7 @@ from lmforge.prep.tokenize import (
     TokenizePlan,
     clear_outputs,
     plan_tokenize,
+    summary_line,
     tokenize_corpus,
 )
 
@@ -78,7 +79,7 @@ def _slurm_config(args: argparse.Namespace) -> SlurmConfig:
 
 def _print_summary(results: list[tuple[TokenizeJob, ShardSummary]]) -> None:
     for job, s in results:
-        print(f"{job.label}: {s.documents} documents, {s.tokens} tokens, {s.files} files -> {job.output}")
+        print(summary_line(job.label, s, job.output))
         if s.documents == 0:
             print(f"warning: {job.label} got no documents", file=sys.stderr)
 

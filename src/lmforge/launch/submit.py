@@ -30,10 +30,10 @@ def _run(command: list[str], what: str, timeout: float = 60.0) -> str:
     return done.stdout
 
 
-def submit(script: Path, extra_args: list[str] | None = None) -> str:
+def submit(script: Path) -> str:
     """Submit `script` with `sbatch --parsable`; returns the job id. Raises `LaunchError` with Slurm's own message
     when sbatch is missing or refuses the job."""
-    out = _run(["sbatch", "--parsable", *(extra_args or []), str(script)], f"the job {script}")
+    out = _run(["sbatch", "--parsable", str(script)], f"the job {script}")
     job_id = out.strip().splitlines()[-1].split(";")[0] if out.strip() else ""
     if not job_id.isdigit():
         raise LaunchError(f"sbatch accepted {script} but printed no job id: {out.strip()!r}")

@@ -16,7 +16,7 @@ from rich.console import Console
 from lmforge.data.tokenizer import TokenizerError
 from lmforge.prep.shakespeare import shakespeare_scenes
 from lmforge.prep.text_sources import SourceError
-from lmforge.prep.tokenize import plan_tokenize, tokenize_corpus
+from lmforge.prep.tokenize import plan_tokenize, summary_line, tokenize_corpus
 from lmforge.prep.tokenizer_train import save_tokenizer_folder, train_bpe
 
 VOCAB_SIZE = 4096
@@ -59,6 +59,5 @@ def prepare_demo_data(data_dir: Path, console: Console) -> None:
     # The summary lines `lmforge tokenize` prints, as the demo showed when it ran that command; soft_wrap keeps each
     # on one line whatever the console width.
     for job, s in results:
-        line = f"{job.label}: {s.documents} documents, {s.tokens} tokens, {s.files} files -> {job.output}"
-        console.print(line, highlight=False, soft_wrap=True)
+        console.print(summary_line(job.label, s, job.output), highlight=False, soft_wrap=True)
     (data_dir / "READY").write_text("ok\n")

@@ -106,6 +106,11 @@ class ShardSummary:
     tokens: int
 
 
+def summary_line(label: str, summary: ShardSummary, folder: Path) -> str:
+    """The line `lmforge tokenize` prints for one output folder."""
+    return f"{label}: {summary.documents} documents, {summary.tokens} tokens, {summary.files} files -> {folder}"
+
+
 def summarize_shards(folder: Path) -> ShardSummary:
     """Count the `*.ds` files at the top level of `folder` and their documents and tokens (from index and metadata)."""
     files = documents = tokens = 0
@@ -117,7 +122,7 @@ def summarize_shards(folder: Path) -> ShardSummary:
     return ShardSummary(files, documents, tokens)
 
 
-def _remove_empty_shards(folder: Path, prefix: str = "") -> None:
+def _remove_empty_shards(folder: Path, prefix: str) -> None:
     # A task that got no documents leaves a 0-token file behind (and a split at --max-tokens-per-file can too);
     # a reader that checks the first document of every file for EOS would reject it, and it holds nothing.
     for ds in folder.glob(f"{prefix}*.ds"):
