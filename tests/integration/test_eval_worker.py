@@ -8,6 +8,7 @@ import pytest
 
 from lmforge.monitor import read_metrics
 from lmforge.monitor.wandb import EVAL_RUN_ID_FILE
+from tests.chat import write_jsonl
 from tests.integration.runner import losses, run_cli, write_config
 from tests.shards import random_docs, word_tokenizer, write_shard
 from tests.unit.test_wandb import logged_runs, stored_id
@@ -18,9 +19,16 @@ pytestmark = pytest.mark.slow
 def test_worker_scores_each_snapshot_once_like_the_trainer_would(tmp_path: Path) -> None:
     tok = word_tokenizer(tmp_path / "tok")
     write_shard(tmp_path / "heldout", "00000", random_docs(40, seed=5))
+    # set files scored by lm-evaluation-harness's rules too: the worker builds them from the run's config
+    words = [" ".join(f"w{(7 * i + k) % 290 + 1}" for k in range(3 + 5 * i)) for i in range(8)]
+    write_jsonl(tmp_path / "sets" / "words.ppl.jsonl", [{"text": w} for w in words])
+    quiz = [{"context": w, "continuations": ["w1 w2", "w3"], "label": i % 2, "target_delimiter": " "}
+            for i, w in enumerate(words)]  # fmt: skip
+    write_jsonl(tmp_path / "sets" / "quiz.ctxcont.jsonl", quiz)
     cfg = write_config(tmp_path, "base", max_steps=6)
     common = ["train", "@", str(cfg), "--tokenizer.name", str(tok), "--val.seq-lens", "[32]",
-              "--val.sets", f'[{{name = "held", path = "{tmp_path / "heldout"}"}}]']  # fmt: skip
+              "--val.sets", f'[{{name = "held", path = "{tmp_path / "heldout"}"}}, "words", "quiz"]',
+              "--val.data-dir", str(tmp_path / "sets"), "--val.convention", "lmeval"]  # fmt: skip
     # The reference: the trainer scores the same sets itself at steps 2, 4, 6.
     inline = run_cli([*common, "--output-dir", str(tmp_path / "inline"), "--val.interval", "2"])
     assert inline.returncode == 0, inline.stderr[-3000:]
@@ -45,6 +53,8 @@ def test_worker_scores_each_snapshot_once_like_the_trainer_would(tmp_path: Path)
     for got, want in zip(scored, expected, strict=True):
         assert got["val/held/loss@32"] == pytest.approx(want["val/held/loss@32"], rel=1e-5, abs=1e-6)
         assert got["val/held/bpb@32"] == pytest.approx(want["val/held/bpb@32"], rel=1e-5, abs=1e-6)
+        for key in ("val/words/word_perplexity@32", "val/words/bpb@32", "val/quiz/acc_norm@32"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
 
 
 def test_worker_refuses_a_run_without_val_sets(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ leaves training untouched."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -58,10 +59,13 @@ def test_validation_is_world_size_independent_and_leaves_training_alone(tmp_path
     ]
     write_jsonl(sets / "quiz.ctxcont.jsonl", quiz)
     write_jsonl(sets / "minimal.pairs.jsonl", [{"good": words(4), "bad": words(4)} for _ in range(7)])
+    for name in ("words.ppl", "quiz.ctxcont"):  # the same sets under lm-evaluation-harness's rules
+        shutil.copy(sets / f"{name}.jsonl", sets / f"{name.replace('.', '_h.')}.jsonl")
     cfg = write_config(tmp_path, "base", max_steps=6)
     val = ["--tokenizer.name", str(tok), "--val.interval", "3", "--val.seq-lens", "[16, 64]", "--val.data-dir",
            str(sets), "--val.save-arrays", "--val.sets",
-           f'[{{name = "held", path = "{tmp_path / "heldout"}"}}, "words", "quiz", "minimal"]']  # fmt: skip
+           f'[{{name = "held", path = "{tmp_path / "heldout"}"}}, "words", "quiz", "minimal", '
+           '{name = "words_h", convention = "lmeval"}, {name = "quiz_h", convention = "lmeval"}]']  # fmt: skip
     runs = {}
     at_end = [f for f in val if f not in ("--val.interval", "3")]
     for name, flags, nproc in (("plain", [], 1), ("val1", val, 1), ("val2", val, 2), ("end", at_end, 1)):
@@ -78,7 +82,9 @@ def test_validation_is_world_size_independent_and_leaves_training_alone(tmp_path
     assert [r["step"] for r in records["end"]] == [6]
     assert records["end"][0]["val/held/loss@64"] == records["val1"][-1]["val/held/loss@64"]
     keys = ["val/held/loss@16", "val/held/loss@64", "val/held/bpb@16", "val/held/ppl@64", "val/words/loss@16",
-            "val/words/bpb@64", "val/quiz/acc@16", "val/quiz/acc_norm@64", "val/minimal/acc@64"]  # fmt: skip
+            "val/words/bpb@64", "val/quiz/acc@16", "val/quiz/acc_norm@64", "val/minimal/acc@64",
+            "val/words_h/word_perplexity@16", "val/words_h/bpb@64", "val/quiz_h/acc_norm@64",
+            "val/quiz_h/acc_bytes@16"]  # fmt: skip
     for one, two in zip(records["val1"], records["val2"], strict=True):
         for key in keys:
             assert one[key] == pytest.approx(two[key], rel=1e-5, abs=1e-5), key

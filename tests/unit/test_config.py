@@ -127,6 +127,24 @@ def test_a_union_of_a_name_and_a_table_reports_the_member_meant(base: Path) -> N
     ]
 
 
+def test_a_set_file_table_takes_a_convention_and_a_folder_table_does_not(base: Path) -> None:
+    sets = '["a", {name = "b", convention = "lmeval"}, {name = "c"}, {name = "held", path = "x"}]'
+    cfg, _ = load_train_config(["@", str(base), "--val.sets", sets, "--val.data-dir", "evals"])
+    assert cfg.val.files() == [("a", "lmforge"), ("b", "lmeval"), ("c", "lmforge")]
+    cfg, _ = load_train_config(
+        ["@", str(base), "--val.sets", sets, "--val.data-dir", "evals", "--val.convention", "lmeval"]
+    )
+    assert cfg.val.files() == [("a", "lmeval"), ("b", "lmeval"), ("c", "lmeval")]
+    bad = '[{name = "b", convention = "harness"}, {name = "h", path = "x", convention = "lmeval"}]'
+    with pytest.raises(ConfigError) as err:
+        load_train_config(["@", str(base), "--val.sets", bad, "--val.data-dir", "evals"])
+    lines = str(err.value).splitlines()[1:]
+    assert lines == [
+        "  val.sets.0.convention (from the command line): Input should be 'lmforge' or 'lmeval', got 'harness'",
+        "  val.sets.1.convention (from the command line): unknown field",
+    ]
+
+
 def test_missing_required_field() -> None:
     msg = error_of(["--max-steps", "3"])
     assert "output_dir: required field is missing" in msg

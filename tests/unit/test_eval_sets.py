@@ -149,8 +149,9 @@ def test_pairs_score_every_token_after_the_eos(tok: TokenizerInfo) -> None:
     assert bad.continuation.tolist() == _ids(tok, "king the speaks")
 
 
-def _request(ctx: list[int], cont: list[int], item: int = 0, choice: int = 0, nbytes: int = 1) -> Request:
-    return Request(item, choice, np.asarray(ctx, dtype=np.int64), np.asarray(cont, dtype=np.int64), nbytes)
+def _request(ctx: list[int], cont: list[int], item: int = 0, choice: int = 0, nbytes: int = 1,
+             nchars: int = 1) -> Request:  # fmt: skip
+    return Request(item, choice, np.asarray(ctx, dtype=np.int64), np.asarray(cont, dtype=np.int64), nbytes, nchars)
 
 
 def test_long_requests_lose_context_from_the_left() -> None:
@@ -208,8 +209,8 @@ def test_val_sets_converts_harness_rows(tmp_path: Path, capsys: pytest.CaptureFi
     assert val_sets_main([str(src), "--kind", "ctxcont", "--output", str(tmp_path / "out"), "--delimiter", " "]) == 0
     out = read_eval_set(tmp_path / "out" / "hs.ctxcont.jsonl")
     assert (out.name, out.kind) == ("hs", "ctxcont")
-    expected = [("Q: a?", (" x", " y"), 1), ("b", (" u", " v", " w"), 0)]
-    assert [(i.context, i.continuations, i.label) for i in out.items] == expected
+    expected = [("Q: a?", ("x", "y"), 1, " "), ("b", ("u", "v", "w"), 0, " ")]
+    assert [(i.context, i.continuations, i.label, i.target_delimiter) for i in out.items] == expected
     src = write_jsonl(tmp_path / "b.jsonl", [{"sentence_good": "a b", "sentence_bad": "b a", "UID": "x"}])
     assert val_sets_main([str(src), "--kind", "pairs", "--output", str(tmp_path / "out"), "--name", "blimp.x"]) == 0
     assert json.loads((tmp_path / "out" / "blimp.x.pairs.jsonl").read_text()) == {"good": "a b", "bad": "b a"}

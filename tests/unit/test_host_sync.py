@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -141,10 +142,14 @@ def _val_files(tmp: Path) -> dict[str, Any]:
     ]
     write_jsonl(sets / "quiz.ctxcont.jsonl", quiz)
     write_jsonl(sets / "minimal.pairs.jsonl", [{"good": words(4), "bad": words(4)} for _ in range(4)])
+    # the same files scored by lm-evaluation-harness's rules (rolling windows, its tokenization)
+    for name in ("words.ppl", "quiz.ctxcont"):
+        shutil.copy(sets / f"{name}.jsonl", sets / f"{name.replace('.', '_h.')}.jsonl")
+    lmeval = [{"name": "words_h", "convention": "lmeval"}, {"name": "quiz_h", "convention": "lmeval"}]
     return {
         "tokenizer": {"name": str(tok)},
         "val": {
-            "sets": [{"name": "held", "path": str(tmp / "held")}, "words", "quiz", "minimal"],
+            "sets": [{"name": "held", "path": str(tmp / "held")}, "words", "quiz", "minimal", *lmeval],
             "data_dir": str(sets),
             "seq_lens": [16, 64],
             "micro_batch_tokens": 64,
@@ -248,6 +253,7 @@ def test_one_process_steps_and_validation_never_read_the_device(
     assert "loss/mean" in names
     if case == "validation":
         assert {"val/held/loss@16", "val/words/bpb@64", "val/quiz/acc_norm@64", "val/minimal/acc@16"} <= set(names)
+        assert {"val/words_h/word_perplexity@64", "val/quiz_h/acc_bytes@16"} <= set(names)
     if case == "sft":
         assert "val/loss" in names
     if case == "moe-grouped":

@@ -41,7 +41,7 @@ def config_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
         problems.append(("tokenizer.name", "required with data.type = 'tokens' (the shards' tokenizer)"))
     if data.type == "sft" and config.tokenizer.name is None:
         problems.append(("tokenizer.name", "required with data.type = 'sft' (or set model.name to a folder with one)"))
-    named = [s for s in config.val.sets if isinstance(s, str)]
+    named = [name for name, _ in config.val.files()]
     if named and config.val.data_dir is None:
         problems.append(("val.sets", f"{named} name set files, which need val.data_dir (the folder holding them)"))
     if config.val.data and data.type != "sft":

@@ -122,6 +122,7 @@ def _is_union(ann: Any) -> bool:
 
 
 def _join(alternatives: list[str]) -> str:
+    alternatives = list(dict.fromkeys(alternatives))
     if len(alternatives) <= 1:
         return "".join(alternatives)
     return ", ".join(alternatives[:-1]) + " or " + alternatives[-1]
@@ -267,9 +268,11 @@ def _field_rows(cls: type[BaseModel], section: str, prefix: str, skip: str | Non
         rows.append(FieldRow(path, section, _default_text(info), type_text(info), _one_line(info.description)))
         items = [_strip_annotated(a) for a in get_args(_strip_annotated(info.annotation))]
         for item in items:
-            for alt in get_args(item) if _is_union(item) else (item,):
+            for alt in map(_strip_annotated, get_args(item) if _is_union(item) else (item,)):
                 if isinstance(alt, type) and issubclass(alt, BaseModel):
-                    rows.extend(_field_rows(alt, section, f"{path}[]."))
+                    # tables of a union share fields (`name`): the first member's row documents them
+                    seen = {r.path for r in rows}
+                    rows.extend(r for r in _field_rows(alt, section, f"{path}[].") if r.path not in seen)
     return rows
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from typing import Annotated, Literal
+
+from pydantic import Discriminator, Field, Tag, field_validator
 
 from lmforge.config.base import Section
 
@@ -20,20 +22,53 @@ def check_path_name(value: str) -> str:
     return value
 
 
-class ValSetConfig(Section):
-    """One held-out token folder."""
+class NamedSet(Section):
+    """A `val.sets` table: what every entry has."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     """Name of the set in metric keys: `val/<name>/<metric>@<length>`; letters, digits, `_`, `.` and `-`, not `.`
-    or `..`."""
+    or `..`. In a table without `path`: the NAME of a set file in data_dir."""
 
     @field_validator("name")
     @classmethod
     def _plain_name(cls, value: str) -> str:
         return check_path_name(value)
 
+
+class ValSetConfig(NamedSet):
+    """One held-out token folder."""
+
     path: str
     """Folder of datatrove token shards (made with the run's tokenizer, e.g. `lmforge tokenize --holdout`)."""
+
+
+Convention = Literal["lmforge", "lmeval"]
+"""How eval set files are tokenized and scored: lmforge's own rules, or lm-evaluation-harness's."""
+
+
+class ValFileConfig(NamedSet):
+    """One eval set file of `val.data_dir`, with settings of its own."""
+
+    convention: Convention | None = None
+    """How this set is tokenized and scored; unset: val.convention."""
+
+
+def _set_entry_kind(value: object) -> str:
+    # A table with a `path` is a token folder, any other table a set file with settings; anything else is a name.
+    if isinstance(value, dict):
+        return "ValSetConfig" if "path" in value else "ValFileConfig"
+    if isinstance(value, ValSetConfig | ValFileConfig):
+        return type(value).__name__
+    return "str"
+
+
+SetEntry = Annotated[
+    Annotated[ValSetConfig, Tag("ValSetConfig")]
+    | Annotated[ValFileConfig, Tag("ValFileConfig")]
+    | Annotated[str, Tag("str")],
+    Discriminator(_set_entry_kind),
+]
+"""One `val.sets` entry: a held-out token folder, a set file with settings of its own, or a set file's NAME."""
 
 
 class ValConfig(Section):
@@ -55,9 +90,14 @@ class ValConfig(Section):
     """Folder of eval set files, `NAME.KIND.jsonl` or `.parquet` with KIND `ppl`, `ctxcont` or `pairs` (see
     docs/validation.md); `sets` names them by NAME."""
 
-    sets: list[ValSetConfig | str] = Field(default_factory=list)
-    """What to score: `{ name = "...", path = "..." }` for a held-out token folder, or the NAME of a set file in
-    data_dir."""
+    sets: list[SetEntry] = Field(default_factory=list)
+    """What to score: `{ name = "...", path = "..." }` for a held-out token folder, the NAME of a set file in
+    data_dir, or `{ name = "...", convention = "..." }` for a set file with its own convention."""
+
+    convention: Convention = "lmforge"
+    """How set files are tokenized and scored: "lmforge" (EOS before every text, disjoint chunks, acc_norm per
+    byte) or "lmeval" (lm-evaluation-harness's rules, so the numbers equal the harness's on the exported model; see
+    docs/validation.md). Held-out token folders are always scored lmforge's way."""
 
     save_arrays: bool = False
     """Also write each ctxcont/pairs set's per-choice log-likelihoods to `<output_dir>/val_arrays/step_<N>/`
@@ -69,7 +109,7 @@ class ValConfig(Section):
 
     @field_validator("sets")
     @classmethod
-    def _plain_set_names(cls, sets: list[ValSetConfig | str]) -> list[ValSetConfig | str]:
+    def _plain_set_names(cls, sets: list[SetEntry]) -> list[SetEntry]:
         # A set file's NAME also names its `val_arrays/step_<N>/<NAME>@<length>.npz`.
         for i, s in enumerate(sets):
             if isinstance(s, str):
@@ -78,6 +118,14 @@ class ValConfig(Section):
                 except ValueError as err:
                     raise ValueError(f"entry {i} ({s!r}) {err}") from None
         return sets
+
+    def files(self) -> list[tuple[str, Convention]]:
+        """The set files `sets` names, in order, each with the convention it is scored by."""
+        return [
+            (s, self.convention) if isinstance(s, str) else (s.name, s.convention or self.convention)
+            for s in self.sets
+            if not isinstance(s, ValSetConfig)
+        ]
 
     @field_validator("data", mode="before")
     @classmethod

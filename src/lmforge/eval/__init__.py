@@ -1,2 +1,3 @@
 """Log-likelihood evaluation: eval set files (`ppl`, `ctxcont`, `pairs`), their requests and metrics
-(`lmforge.eval.sets`), and scoring the requests with the training model (`lmforge.eval.scoring`)."""
+(`lmforge.eval.sets`, and `lmforge.eval.harness` for lm-evaluation-harness's conventions), and scoring the requests
+with the training model (`lmforge.eval.scoring`)."""

@@ -7,7 +7,7 @@ whole stem when the name gives no kind) names the set in the metric keys `val/<N
 - `ppl` rows `{"text": str}`: documents scored like a held-out token folder (loss, perplexity, bits per byte).
 - `ctxcont` rows `{"context": str, "continuations": [str, ...], "label": int}`: multiple choice; `acc` is the share
   of items whose most likely continuation is the labelled one, `acc_norm` the same with each log-likelihood divided
-  by the continuation's UTF-8 bytes (as stored, before the whitespace rule below).
+  by the continuation's UTF-8 bytes (as stored, before the delimiter and the whitespace rule below).
 - `pairs` rows `{"good": str, "bad": str}`: minimal pairs (BLiMP-style); `acc` is the share of items where the
   good text is the more likely one. It is scored as a `ctxcont` item with an empty context, continuations
   [good, bad] and label 0.
@@ -15,18 +15,19 @@ whole stem when the name gives no kind) names the set in the metric keys `val/<N
 In `ctxcont`, ties go to the first choice (numpy's argmax), as in lm-evaluation-harness. A pair counts as right
 only when the good text is strictly more likely than the bad one.
 
+These are lmforge's own conventions; `lmforge.eval.harness` has lm-evaluation-harness's (`val.convention`).
 Tokenization matches the token shards `lmforge tokenize` writes (datatrove replaces the tokenizer's post-processor,
 so no BOS; every document ends with EOS): a text is encoded without special tokens, and every scored text comes
 after one EOS, since in the shards a document starts right after the previous one's EOS. A `ppl` document is
 [EOS] + ids(text) + [EOS]. A choice is [EOS] + ids(context) followed by the continuation's ids, and only the
 continuation's tokens are scored.
 
-The continuation is appended to the context exactly as stored: no delimiter is inserted, so a set whose answers
-follow a space stores that space (`" Paris"`). Whitespace at the end of a context moves to the start of each
-continuation before tokenizing (`"Q: A:" + " " + "x"` rather than `"Q: A: "` + `"x"`), as lm-evaluation-harness
-does, because BPE tokenizers attach a space to the word after it. The continuation's ids are those of
-context + continuation after the context's own ids when the context's ids are a prefix of them (a merge across the
-boundary would break this), else the continuation encoded alone.
+The continuation is appended to the context exactly as stored, after the row's optional `target_delimiter` (default
+none), so a set whose answers follow a space stores that space (`" Paris"`) or sets `target_delimiter = " "`.
+Whitespace at the end of a context moves to the start of each continuation before tokenizing (`"Q: A:" + " " + "x"`
+rather than `"Q: A: "` + `"x"`), as lm-evaluation-harness does, because BPE tokenizers attach a space to the word
+after it. The continuation's ids are those of context + continuation after the context's own ids when the context's
+ids are a prefix of them (a merge across the boundary would break this), else the continuation encoded alone.
 
 A request longer than the context length L (L + 1 tokens are L scored positions, like a training window) loses
 tokens from the left, the EOS first, so the continuation stays whole; a continuation longer than L is an error.
@@ -67,6 +68,9 @@ class Item:
     """Index of the right continuation."""
     where: str
     """File and line (or row) of the item, for messages."""
+    target_delimiter: str = ""
+    """Text put between the context and every continuation when scoring (the harness's `target_delimiter`); the
+    normalizing lengths of `acc_norm` count the continuation without it."""
 
 
 @dataclass(frozen=True)
@@ -169,14 +173,18 @@ def _ctxcont_item(record: Record) -> Item:
         raise EvalSetError(f"{record.where()}: continuation {choices.index('')} is empty")
     if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < len(choices):
         raise EvalSetError(f"{record.where()}: 'label' {label!r} is not a choice index in [0, {len(choices)})")
-    return Item(context, tuple(choices), label, record.where())
+    return Item(context, tuple(choices), label, record.where(), _delimiter(record))
 
 
 def _pair_item(record: Record) -> Item:
     good, bad = _string(record, "good"), _string(record, "bad")
     if not good or not bad:
         raise EvalSetError(f"{record.where()}: 'good' and 'bad' must not be empty")
-    return Item("", (good, bad), 0, record.where())
+    return Item("", (good, bad), 0, record.where(), _delimiter(record))
+
+
+def _delimiter(record: Record) -> str:
+    return _string(record, "target_delimiter") if record.data.get("target_delimiter") is not None else ""
 
 
 def _encode(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
@@ -211,7 +219,11 @@ class Request:
     continuation: np.ndarray
     """int64 ids of the continuation: the scored tokens."""
     nbytes: int
-    """UTF-8 bytes of the continuation as stored (the divisor of `acc_norm`)."""
+    """UTF-8 bytes of the continuation as stored, without the target delimiter (the divisor of lmforge's
+    `acc_norm` and of `acc_bytes`)."""
+    nchars: int
+    """Characters of the continuation as stored, without the target delimiter (the divisor of the harness's
+    `acc_norm`)."""
 
     @property
     def tokens(self) -> np.ndarray:
@@ -224,17 +236,22 @@ def build_requests(items: Sequence[Item], tokenizer: TokenizerInfo) -> list[Requ
     tok, eos = tokenizer.tokenizer, tokenizer.eos_id
     requests: list[Request] = []
     for i, item in enumerate(items):
-        pairs = [move_trailing_space(item.context, c) for c in item.continuations]
+        pairs = [move_trailing_space(item.context, item.target_delimiter + c) for c in item.continuations]
         context = pairs[0][0]
         ctx_ids, *wholes = _encode(tok, [context, *(context + c for _, c in pairs)])
         for j, (whole, (_, cont)) in enumerate(zip(wholes, pairs, strict=True)):
             ids = whole[len(ctx_ids) :] if whole[: len(ctx_ids)] == ctx_ids else _encode(tok, [cont])[0]
-            if not ids:
-                raise EvalSetError(f"{item.where}: continuation {j} gives no tokens")
-            nbytes = len(item.continuations[j].encode("utf-8"))
-            requests.append(Request(i, j, np.asarray([eos, *ctx_ids], dtype=np.int64), np.asarray(ids, np.int64),
-                                    nbytes))  # fmt: skip
+            requests.append(choice_request(item, i, j, [eos, *ctx_ids], ids))
     return requests
+
+
+def choice_request(item: Item, index: int, choice: int, context: Sequence[int], continuation: Sequence[int]) -> Request:
+    """The request of continuation `choice` of `item` (number `index` in its set), tokenized as given."""
+    if not continuation:
+        raise EvalSetError(f"{item.where}: continuation {choice} gives no tokens")
+    text = item.continuations[choice]
+    return Request(index, choice, np.asarray(context, dtype=np.int64), np.asarray(continuation, dtype=np.int64),
+                   len(text.encode("utf-8")), len(text))  # fmt: skip
 
 
 def fit_requests(requests: Sequence[Request], seq_len: int, items: Sequence[Item]) -> list[Request]:
@@ -252,18 +269,40 @@ def fit_requests(requests: Sequence[Request], seq_len: int, items: Sequence[Item
     return fitted
 
 
-def set_metrics(kind: str, items: Sequence[Item], requests: Sequence[Request], loglik: np.ndarray) -> dict[str, float]:
-    """`ctxcont`: `acc` and `acc_norm`; `pairs`: `acc` (see the module docstring), from the per-request
-    log-likelihood sums `loglik` (aligned with `requests`)."""
+CONVENTIONS = ("lmforge", "lmeval")
+"""How sets are tokenized and scored: lmforge's own rules (this module) or lm-evaluation-harness's
+(`lmforge.eval.harness`)."""
+
+
+def set_metrics(kind: str, items: Sequence[Item], requests: Sequence[Request], loglik: np.ndarray,
+                convention: str = "lmforge") -> dict[str, float]:  # fmt: skip
+    """The choice metrics of a `ctxcont` or `pairs` set from the per-request log-likelihood sums `loglik` (aligned
+    with `requests`).
+
+    lmforge: `acc` and `acc_norm` (log-likelihood per UTF-8 byte) for ctxcont; for pairs, `acc` counts a pair
+    only when the good text is strictly more likely. lmeval (the harness's): `acc`, `acc_norm` (log-likelihood per
+    character) and `acc_bytes` (per UTF-8 byte) for ctxcont; pairs are multiple choice with the good text first,
+    so a tie counts as right. Ties among choices go to the lower index (numpy's argmax) in both."""
     if kind not in ("ctxcont", "pairs"):
         raise ValueError(f"set kind {kind!r} has no choice metrics")
+    if convention not in CONVENTIONS:
+        raise ValueError(f"unknown convention {convention!r}; one of {', '.join(CONVENTIONS)}")
     scores = [np.full(len(item.continuations), -np.inf) for item in items]
-    norms = [np.full(len(item.continuations), -np.inf) for item in items]
+    per_byte = [np.full(len(item.continuations), -np.inf) for item in items]
+    per_char = [np.full(len(item.continuations), -np.inf) for item in items]
     for r, ll in zip(requests, np.asarray(loglik, dtype=np.float64), strict=True):
         scores[r.item][r.choice] = ll
-        norms[r.item][r.choice] = ll / r.nbytes
-    if kind == "pairs":
-        return {"acc": float(np.mean([s[0] > s[1] for s in scores]))}
+        per_byte[r.item][r.choice] = ll / r.nbytes
+        per_char[r.item][r.choice] = ll / r.nchars
     labels = np.asarray([item.label for item in items])
-    acc = float(np.mean(np.asarray([np.argmax(s) for s in scores]) == labels))
-    return {"acc": acc, "acc_norm": float(np.mean(np.asarray([np.argmax(s) for s in norms]) == labels))}
+
+    def accuracy(values: list[np.ndarray]) -> float:
+        return float(np.mean(np.asarray([np.argmax(v) for v in values]) == labels))
+
+    if kind == "pairs":
+        if convention == "lmeval":
+            return {"acc": accuracy(scores)}
+        return {"acc": float(np.mean([s[0] > s[1] for s in scores]))}
+    if convention == "lmeval":
+        return {"acc": accuracy(scores), "acc_norm": accuracy(per_char), "acc_bytes": accuracy(per_byte)}
+    return {"acc": accuracy(scores), "acc_norm": accuracy(per_byte)}

@@ -14,6 +14,9 @@ samples are packed in file order the way training packs them (one segment each, 
 round-robin to the ranks; the sums are all-reduced, so results do not depend on the world size. The training
 model scores them (no copy) under `torch.no_grad`, with the LM head in fp32; nothing of the training state
 (weights, optimizer, data position, RNG) changes.
+
+Set files under `val.convention = "lmeval"` follow lm-evaluation-harness's rules instead (`lmforge.eval.harness`):
+their choices, and a ppl set's rolling windows, are scored as requests, like lmforge's own ctxcont sets.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch.distributed as dist
 
 from lmforge.config.data import DataConfig, SFTDataConfig
 from lmforge.config.loader import ConfigError
-from lmforge.config.val import ValConfig
+from lmforge.config.val import ValConfig, ValSetConfig
 from lmforge.data.batch import MicroBatch, Window, pack_windows, padding_window
 from lmforge.data.packing import fill_bins
 from lmforge.data.sft import SampleSet, load_samples
@@ -38,6 +41,7 @@ from lmforge.data.shards import ShardPool
 from lmforge.data.sources import SourceMap
 from lmforge.data.tokenizer import TokenizerInfo
 from lmforge.data.tokens import check_shards, check_token_ids
+from lmforge.eval.harness import count_words, harness_requests, rolling_metrics, rolling_requests, text_logliks
 from lmforge.eval.scoring import ScoringRow, pack_requests, score_requests
 from lmforge.eval.sets import EvalSet, Request, build_requests, fit_requests, ppl_tokens, read_eval_dir, set_metrics
 from lmforge.model.loss import IGNORE_INDEX
@@ -126,22 +130,41 @@ SAMPLES = -1
 
 
 @dataclass
-class _ChoiceRows:
-    """A ctxcont or pairs set at one context length: its requests and their scoring rows."""
+class _RequestRows:
+    """A set scored request by request at one context length (ctxcont and pairs sets; ppl sets under the lmeval
+    convention, one request per rolling window): its requests and their scoring rows."""
 
     set: EvalSet
+    convention: str
     requests: list[Request]
     rows: list[ScoringRow]
 
+    def metrics(self, loglik: np.ndarray) -> dict[str, float]:
+        """The set's metrics from the per-request log-likelihoods."""
+        if self.set.kind == "ppl":
+            return rolling_metrics(self.set.texts, self.requests, loglik)
+        return set_metrics(self.set.kind, self.set.items, self.requests, loglik, self.convention)
+
     def save(self, path: Path, loglik: np.ndarray) -> None:
-        """Per-choice log-likelihoods with their item, choice, continuation bytes and the items' labels."""
+        """Per-choice log-likelihoods with their item, choice, continuation bytes and characters, and the items'
+        labels; for a ppl set, each text's log-likelihood with its words and bytes."""
         path.parent.mkdir(parents=True, exist_ok=True)
+        if self.set.kind == "ppl":
+            texts = self.set.texts
+            np.savez(
+                path,
+                loglik=text_logliks(self.requests, loglik, len(texts)),
+                words=np.asarray([count_words(t) for t in texts]),
+                nbytes=np.asarray([len(t.encode("utf-8")) for t in texts]),
+            )
+            return
         np.savez(
             path,
             loglik=loglik,
             item=np.asarray([r.item for r in self.requests]),
             choice=np.asarray([r.choice for r in self.requests]),
             nbytes=np.asarray([r.nbytes for r in self.requests]),
+            nchars=np.asarray([r.nchars for r in self.requests]),
             label=np.asarray([item.label for item in self.set.items]),
         )
 
@@ -162,14 +185,16 @@ class Validator:
         if tokenizer is None:
             raise ConfigError("validation needs tokenizer.name (bits per byte count the bytes each token stands for)")
         self.rows: dict[tuple[str, int], list[_Row]] = {}
-        self.choices: dict[tuple[str, int], _ChoiceRows] = {}
+        self.choices: dict[tuple[str, int], _RequestRows] = {}
         self.combined: dict[tuple[str, int], list[tuple[str, int]]] = {}
         """A mixture set's (name, length) -> its sources' keys in `rows`, whose sums make the whole set's."""
         nbytes = token_bytes(tokenizer) if cfg.sets else np.zeros(0, dtype=np.int64)
         files = {s.name: s for s in read_eval_dir(cfg.data_dir)} if cfg.data_dir else {}
+        conventions = dict(cfg.files())
         for s in cfg.sets:
-            if isinstance(s, str):
-                self._add_set_file(s, files, tokenizer, row_tokens, nbytes)
+            if not isinstance(s, ValSetConfig):
+                name = s if isinstance(s, str) else s.name
+                self._add_set_file(name, conventions[name], files, tokenizer, row_tokens, nbytes)
                 continue
             pool = ShardPool([Path(s.path)])
             # The checks training data gets: EOS and token size (another tokenizer), ids inside the vocabulary.
@@ -192,11 +217,14 @@ class Validator:
             self.samples = load_samples(cfg.data, tokenizer, data)
             self.rows[("", SAMPLES)] = sample_rows(self.samples, row_tokens)
 
-    def _add_set_file(self, name: str, files: dict[str, EvalSet], tokenizer: TokenizerInfo, row_tokens: int,
-                      nbytes: np.ndarray) -> None:  # fmt: skip
+    def _add_set_file(self, name: str, convention: str, files: dict[str, EvalSet], tokenizer: TokenizerInfo,
+                      row_tokens: int, nbytes: np.ndarray) -> None:  # fmt: skip
         if name not in files:
             raise ConfigError(f"val.sets names {name!r}, but val.data_dir {self.cfg.data_dir} holds {sorted(files)}")
         evs = files[name]
+        if convention == "lmeval":
+            self._add_harness_set(evs, tokenizer, row_tokens)
+            return
         if evs.kind == "ppl":
             tokens, doc_starts = ppl_tokens(evs.texts, tokenizer)
             for seq_len in self.seq_lens:
@@ -206,11 +234,28 @@ class Validator:
         for seq_len in self.seq_lens:
             # A chunk of L tokens is the context length L of token sets; a request gets the same L tokens.
             fitted = fit_requests(requests, seq_len - 1, evs.items)
-            self.choices[(name, seq_len)] = _ChoiceRows(evs, fitted, pack_requests(fitted, row_tokens))
+            self.choices[(name, seq_len)] = _RequestRows(evs, "lmforge", fitted, pack_requests(fitted, row_tokens))
+
+    def _add_harness_set(self, evs: EvalSet, tokenizer: TokenizerInfo, row_tokens: int) -> None:
+        """A set file under the lmeval convention: at context length L (the harness's max_length) a request has
+        at most L + 1 tokens, L scored positions."""
+        if max(self.seq_lens) > row_tokens:
+            raise ConfigError(
+                f"val.seq_lens {self.seq_lens} must not exceed val.micro_batch_tokens ({row_tokens}) for set "
+                f"{evs.name!r}: under the lmeval convention a context length L scores L positions in one row"
+            )
+        requests = [] if evs.kind == "ppl" else harness_requests(evs.items, tokenizer)
+        for seq_len in self.seq_lens:
+            if evs.kind == "ppl":
+                fitted = rolling_requests(evs.texts, tokenizer, seq_len)
+            else:
+                fitted = fit_requests(requests, seq_len, evs.items)
+            rows = pack_requests(fitted, row_tokens)
+            self.choices[(evs.name, seq_len)] = _RequestRows(evs, "lmeval", fitted, rows)
 
     def arrays_dir(self, run_dir: Path, step: int) -> Path | None:
-        """Where rank 0 writes the choice sets' per-choice scores of step `step` (None: `val.save_arrays` off, no
-        choice set, or another rank)."""
+        """Where rank 0 writes the per-choice (or, for ppl sets under the lmeval convention, per-text) scores of
+        step `step` (None: `val.save_arrays` off, no such set, or another rank)."""
         if not self.cfg.save_arrays or not self.choices or self.rank != 0:
             return None
         return Path(run_dir) / "val_arrays" / f"step_{step}"
@@ -274,7 +319,7 @@ class Validator:
             out[f"val/{name}/bpb@{seq_len}"] = loss_sum / (math.log(2) * nbytes) if nbytes else math.nan
         for (name, seq_len), choice in self.choices.items():
             loglik = logliks[(name, seq_len)]
-            for metric, value in set_metrics(choice.set.kind, choice.set.items, choice.requests, loglik).items():
+            for metric, value in choice.metrics(loglik).items():
                 out[f"val/{name}/{metric}@{seq_len}"] = value
             if arrays is not None:
                 choice.save(arrays / f"{name}@{seq_len}.npz", loglik)

@@ -4,9 +4,10 @@
   `{"context", "continuations", "label"}`; the first of the three context fields a row has is used.
 - `--kind pairs`: rows `{"sentence_good": str, "sentence_bad": str}` (BLiMP) become `{"good", "bad"}`.
 
-Continuations are appended to the context exactly as stored (see `lmforge.eval.sets`); lm-evaluation-harness puts
-its `target_delimiter` (a space by default) between them, which `--delimiter " "` reproduces. Rows are checked
-as they are converted; an error names the file and line and nothing is written.
+`--delimiter " "` is lm-evaluation-harness's `target_delimiter` (a space by default): it is written as each row's
+`target_delimiter`, put between the context and every continuation when scoring. Rows are checked as they are
+converted; an error names the file and line and nothing is written. Harness task files (YAML) are converted by
+`lmforge.prep.lmeval_task`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _string(record: Record, key: str) -> str:
 
 
 def ctxcont_row(record: Record, delimiter: str = "") -> dict[str, Any]:
-    """One lm-evaluation-harness multiple-choice row as a `ctxcont` row, `delimiter` put before every choice."""
+    """One lm-evaluation-harness multiple-choice row as a `ctxcont` row, with `delimiter` as its target delimiter."""
     key = next((k for k in CONTEXT_KEYS if k in record.data), None)
     if key is None:
         raise ConvertError(f"{record.where()}: needs a context field, one of {', '.join(CONTEXT_KEYS)}")
@@ -51,7 +52,8 @@ def ctxcont_row(record: Record, delimiter: str = "") -> dict[str, Any]:
         raise ConvertError(f"{record.where()}: 'choices' must be a list of at least 2 non-empty strings")
     if not isinstance(gold, int) or isinstance(gold, bool) or not 0 <= gold < len(choices):
         raise ConvertError(f"{record.where()}: 'gold' {gold!r} is not a choice index in [0, {len(choices)})")
-    return {"context": context, "continuations": [delimiter + c for c in choices], "label": gold}
+    row: dict[str, Any] = {"context": context, "continuations": choices, "label": gold}
+    return {**row, "target_delimiter": delimiter} if delimiter else row
 
 
 def pairs_row(record: Record) -> dict[str, Any]:
@@ -85,27 +87,37 @@ class ValSetFile:
     """Rows written, one per input row."""
 
 
-def write_val_set(
-    input_path: Path, kind: str, output: Path, name: str | None = None, delimiter: str = ""
-) -> ValSetFile:
-    """Convert `input_path` to `kind` rows (see `convert`) and write them to `output/NAME.KIND.jsonl`.
-
-    `name` defaults to the input file's stem; it must be a set name that metric keys can carry. The whole file is
-    converted before anything is written, and the file is replaced in one move, so a reader never sees half of
-    it. Raises `ConvertError` for a bad name, kind, output folder or input row.
-    """
-    if kind not in KINDS:
-        raise ConvertError(f"kind {kind!r}: must be one of {', '.join(KINDS)}")
-    if name is None:
-        name = input_path.name.removesuffix(input_path.suffix)
+def check_set_name(name: str) -> str:
+    """`name` itself when metric keys and file names can carry it, else ConvertError."""
     if not _NAME.fullmatch(name):
         raise ConvertError(f"set name {name!r}: use letters, digits, '_', '-' and '.' (pass --name)")
+    return name
+
+
+def write_rows(rows: list[dict[str, Any]], kind: str, output: Path, name: str) -> ValSetFile:
+    """Write converted rows to `output/NAME.KIND.jsonl`, replacing the file in one move so that a reader never
+    sees half of it."""
     if output.exists() and not output.is_dir():
         raise ConvertError(f"--output {output}: exists and is not a folder")
-    rows = convert(input_path, kind, delimiter)
     output.mkdir(parents=True, exist_ok=True)
     out = output / f"{name}.{kind}.jsonl"
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     os.replace(tmp, out)
     return ValSetFile(out, len(rows))
+
+
+def write_val_set(
+    input_path: Path, kind: str, output: Path, name: str | None = None, delimiter: str = ""
+) -> ValSetFile:
+    """Convert `input_path` to `kind` rows (see `convert`) and write them to `output/NAME.KIND.jsonl`.
+
+    `name` defaults to the input file's stem; it must be a set name that metric keys can carry. The whole file is
+    converted before anything is written. Raises `ConvertError` for a bad name, kind, output folder or input row.
+    """
+    if kind not in KINDS:
+        raise ConvertError(f"kind {kind!r}: must be one of {', '.join(KINDS)}")
+    name = check_set_name(name if name is not None else input_path.name.removesuffix(input_path.suffix))
+    if output.exists() and not output.is_dir():
+        raise ConvertError(f"--output {output}: exists and is not a folder")
+    return write_rows(convert(input_path, kind, delimiter), kind, output, name)
