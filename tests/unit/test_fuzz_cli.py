@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 import tomli_w
+import yaml
 from hypothesis import HealthCheck, currently_in_test_context, event, given, settings
 from hypothesis import strategies as st
 
@@ -728,6 +729,50 @@ def test_val_sets(data: st.DataObject, tmp_path: Path, capsys: pytest.CaptureFix
         fuzz_command(
             data, capsys, ["val-sets"], [*positionals(data, rows), *options(data, spec, ("--kind", "--output"))]
         )
+
+
+TASK_FIELDS = ["q", "opts", "gold", "text", "choices"]
+TEMPLATES = st.one_of(
+    st.sampled_from(TASK_FIELDS),
+    st.sampled_from(["{{q}}", "{{q}} {{text}}:", "{{[q, text]}}", "{{gold}}", "{{opts[gold]}}", "{{opts}}", "{{", "{%",
+                     "{{q.__class__.__mro__}}", "{{range(10**9)|list}}", "{{ q | regex_replace('a', 'b') }}", "[1, 2]",
+                     "{{missing}}", "0", "12", ""]),
+    TEXT,
+)  # fmt: skip
+TASK_VALUES = st.one_of(TEMPLATES, INTS, st.lists(TEMPLATES, max_size=3), st.dictionaries(TEXT, TEXT, max_size=2))
+
+
+def task_yaml(data: st.DataObject) -> bytes:
+    """A harness task file: task fields with field names, templates or junk as values, a `!function`, or junk."""
+    kind = data.draw(st.sampled_from(["task", "task", "task", "function", "bytes"]), label="task kind")
+    if kind == "bytes":
+        return data.draw(st.binary(max_size=60), label="task bytes")
+    keys = ["output_type", "doc_to_text", "doc_to_choice", "doc_to_target", "target_delimiter", "description",
+            "num_fewshot", "include", "task", "test_split", "dataset_kwargs", "process_docs"]  # fmt: skip
+    task: dict[str, Any] = {
+        "output_type": data.draw(mostly(st.sampled_from(["multiple_choice", "loglikelihood_rolling"]), TEXT), "type")
+    }
+    task.update(data.draw(st.dictionaries(st.sampled_from(keys), TASK_VALUES, max_size=5), label="task fields"))
+    text = yaml.safe_dump(task, allow_unicode=True)
+    if kind == "function":
+        text += f"doc_to_text: !function {data.draw(TEXT, label='function')!r}\n"
+    return text.encode()
+
+
+@PROFILE
+@given(data=st.data())
+def test_val_sets_task(data: st.DataObject, tmp_path: Path, capsys: pytest.CaptureFixture, quiet_env: None) -> None:
+    """`lmforge val-sets TASK.yaml --output DIR [--data FILE] [--name NAME]` on random task files and rows."""
+    with sandbox(tmp_path) as folder:
+        row_values = st.one_of(jsonish(), st.lists(TEXT, max_size=4), INTS)
+        spec = {
+            "--output": path_arg(data, folder, "output"),
+            "--name": value(data, mostly(st.from_regex(r"[A-Za-z0-9][\w.-]{0,8}", fullmatch=True), ARG_TEXT), "name"),
+            "--data": path_arg(data, folder, "data", lambda: jsonl_bytes(data, TASK_FIELDS, row_values)),
+        }
+        task = folder / data.draw(st.sampled_from(["task.yaml", "t.yml"]), label="task name")
+        task.write_bytes(task_yaml(data))
+        fuzz_command(data, capsys, ["val-sets"], [str(task), *options(data, spec, ("--output",))])
 
 
 def output_image(data: st.DataObject, folder: Path, suffixes: list[str]) -> Callable[[], str]:

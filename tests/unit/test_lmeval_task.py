@@ -108,9 +108,11 @@ def test_a_string_target_is_found_among_the_choices(tmp_path: Path) -> None:
         ("- a list\n", {"q": "a"}, "a task file is a YAML mapping, got list"),
         ("output_type: multiple_choice\ninclude: nowhere.yaml\n", {"q": "a"}, "nowhere.yaml: cannot be read"),
         ("output_type: [unclosed\n", {"q": "a"}, r"task\.yaml line 2, column 1: not valid YAML: expected .,. or .\]."),
+        ("output_type: multiple_choice\nnum_fewshot: many\n", {"q": "a"}, "num_fewshot must be an integer, got 'many'"),
     ],
     ids=["generate", "function", "process_docs", "fewshot", "target-text", "target-index", "undefined", "not-a-list",
-         "empty-choice", "multiple-input", "multiple-target", "not-a-mapping", "missing-include", "bad-yaml"],
+         "empty-choice", "multiple-input", "multiple-target", "not-a-mapping", "missing-include", "bad-yaml",
+         "bad-type"],
 )  # fmt: skip
 def test_tasks_that_cannot_be_reproduced_are_refused_by_name(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], task: str, row: dict[str, object], message: str

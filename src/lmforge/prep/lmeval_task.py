@@ -70,6 +70,8 @@ def load_task(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConvertError(f"{path}: cannot be read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConvertError(f"{path}: not UTF-8 text (byte {e.start})") from None
     try:
         task = yaml.load(text, Loader=_TaskLoader)  # a SafeLoader subclass: no Python objects
     except yaml.YAMLError as e:
@@ -88,6 +90,27 @@ def load_task(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     return {**base, **task}
 
 
+_TYPES: dict[str, tuple[type, ...]] = {
+    "output_type": (str,),
+    "task": (str, int),
+    "num_fewshot": (int,),
+    "dataset_kwargs": (dict,),
+    "test_split": (str,),
+    "validation_split": (str,),
+    "target_delimiter": (str,),
+    "description": (str,),
+}
+
+
+def check_types(task: dict[str, Any], where: Path) -> None:
+    """Raise ConvertError naming the first task field whose value has a type the harness does not take there."""
+    for key, types in _TYPES.items():
+        value = task.get(key)
+        if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
+            expected = " or ".join({str: "a string", int: "an integer", dict: "a mapping"}[t] for t in types)
+            raise ConvertError(f"{where}: {key} must be {expected}, got {value!r}")
+
+
 def task_data_file(task: dict[str, Any], task_path: Path) -> Path:
     """The local data file of the split the harness evaluates (`test_split`, else `validation_split`), from
     `dataset_kwargs.data_files`; relative names are taken from the task file's folder when they are not found
@@ -95,7 +118,7 @@ def task_data_file(task: dict[str, Any], task_path: Path) -> Path:
     split = task.get("test_split") or task.get("validation_split")
     files = (task.get("dataset_kwargs") or {}).get("data_files")
     if isinstance(files, dict):
-        files = files.get(split) if split in files else None
+        files = files.get(split)
     if isinstance(files, list) and len(files) == 1:
         files = files[0]
     if not isinstance(files, str):
@@ -134,8 +157,6 @@ class _Task:
                     "as a field name or a Jinja template"
                 )
         self.delimiter = task.get("target_delimiter", DEFAULT_TARGET_DELIMITER)
-        if not isinstance(self.delimiter, str):
-            raise ConvertError(f"{where}: target_delimiter must be a string, got {self.delimiter!r}")
 
     def render(self, template: str, record: Record, key: str) -> str:
         try:
@@ -214,6 +235,7 @@ def convert_task(task_path: Path, data: Path | None = None) -> tuple[str, str, l
     """(task name, set kind, rows) of a harness task file and its data (`data`, else the task's local
     `dataset_kwargs.data_files`)."""
     task = load_task(task_path)
+    check_types(task, task_path)
     data = data if data is not None else task_data_file(task, task_path)
     try:
         records = list(read_records([data]))
