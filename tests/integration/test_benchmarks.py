@@ -249,3 +249,17 @@ def test_mix_smoke_writes_a_pool_in_the_asked_shares(tmp_path: Path) -> None:
     assert abs(mix["tokens"] - mix["tokens_requested"]) < 3 * 3000  # within a document per source
     for source in figures["sources"]:
         assert mix["shares"][source["name"]] == pytest.approx(source["weight"], abs=0.002)
+
+
+def test_context_parallel_benchmark_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "cp.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "context_parallel.py"), "--smoke", "--json", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {(r["seq_len"], r["cp"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(128, 1), (128, 2), (256, 1), (256, 2)}
+    for seq_len in (128, 256):
+        one, two = rows[(seq_len, 1)], rows[(seq_len, 2)]
+        assert one["gathered"] == 0 < two["gathered"] and one["step"] > 0 and two["step"] > 0
+        assert two["activations"] < 0.75 * one["activations"]  # split over two ranks
+    assert rows[(256, 2)]["gathered"] == 2 * rows[(128, 2)]["gathered"]  # keys and values of the whole row

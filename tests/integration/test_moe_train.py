@@ -89,3 +89,14 @@ def test_sequence_balance_loss_trains_the_same_on_one_and_two_processes(tmp_path
     assert losses(two) == pytest.approx(losses(one), rel=1e-5, abs=1e-5)
     assert losses(one)[0] == losses(plain)[0], "the first forward is the same; the loss term acts through gradients"
     assert losses(one)[1:] != losses(plain)[1:]
+
+
+def test_balancing_under_context_parallelism_counts_every_token_once(tmp_path: Path) -> None:
+    straight = run(tmp_path, "straight", "--max-steps", "4")
+    split = run(tmp_path, "cp2", "--max-steps", "4", "--parallel.cp", "2", nproc=2)
+    assert torch.equal(bias(split), bias(straight))
+    assert losses(split) == pytest.approx(losses(straight), rel=1e-5, abs=1e-5)
+    want = [r for r in read_metrics(straight / "metrics.jsonl") if r["step"] > 0]
+    got = [r for r in read_metrics(split / "metrics.jsonl") if r["step"] > 0]
+    for a, b in zip(want, got, strict=True):
+        assert b["expert_load/layer_1/cv"] == pytest.approx(a["expert_load/layer_1/cv"], rel=1e-5, abs=1e-6)

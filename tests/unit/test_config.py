@@ -96,7 +96,10 @@ def test_unknown_field_names_file_and_field(base: Path, tmp_path: Path) -> None:
 def test_errors_name_the_source_that_set_the_field_or_a_field_inside_it(base: Path, tmp_path: Path) -> None:
     # An unknown section set by a flag alone comes from the command line, not from the defaults.
     assert "pipeline (from the command line): unknown field" in error_of(["@", str(base), "--pipeline.stages", "2"])
-    assert "parallel.cp (from the command line): unknown field" in error_of(["@", str(base), "--parallel.cp", "2"])
+    assert "parallel.pp (from the command line): unknown field" in error_of(["@", str(base), "--parallel.pp", "2"])
+    # A cross-field check names the source too (one process cannot split rows over two).
+    msg = error_of(["@", str(base), "--parallel.cp", "2"])
+    assert "parallel.cp (from the command line): 2 does not divide the world size 1" in msg
     # A table from a file with one field from a flag: both made the value the check refused.
     init = write(tmp_path, "init.toml", "[model.init]\nstd = 0.02\n")
     msg = error_of(["@", str(base), "@", init, "--model.init.scheme", "completep"])

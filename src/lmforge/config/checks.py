@@ -14,13 +14,17 @@ def config_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
         problems.append(
             ("data.micro_batch_tokens", f"{data.micro_batch_tokens} is not a multiple of data.seq_len ({data.seq_len})")
         )
-    per_step = data.micro_batch_tokens * world_size
+    problems += context_problems(config, world_size)
+    cp = config.parallel.cp
+    groups = world_size // cp if world_size % cp == 0 else world_size
+    per_step = data.micro_batch_tokens * groups
     if data.batch_tokens % per_step:
+        what = "world size" if cp == 1 else "data-parallel ranks (world size / parallel.cp)"
         problems.append(
             (
                 "data.batch_tokens",
-                f"{data.batch_tokens} is not a multiple of data.micro_batch_tokens x world size "
-                f"({data.micro_batch_tokens} x {world_size} = {per_step})",
+                f"{data.batch_tokens} is not a multiple of data.micro_batch_tokens x {what} "
+                f"({data.micro_batch_tokens} x {groups} = {per_step})",
             )
         )
     if data.seq_len > arch.max_position_embeddings:
@@ -46,6 +50,34 @@ def config_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
         problems.append(("val.sets", f"{named} name set files, which need val.data_dir (the folder holding them)"))
     if config.val.data and data.type != "sft":
         problems.append(("val.data", f"held-out samples need data.type = 'sft' (data.type is {data.type!r})"))
+    return problems
+
+
+CP_ATTENTION = ("auto", "sdpa", "flex")
+"""`model.attn` values that run under context parallelism."""
+
+
+def context_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str]]:
+    """What stops `parallel.cp` > 1 from working with this config and world size."""
+    cp, data = config.parallel.cp, config.data
+    if cp == 1:
+        return []
+    problems = []
+    if world_size % cp:
+        problems.append(("parallel.cp", f"{cp} does not divide the world size {world_size}"))
+    if data.seq_len % (2 * cp):
+        problems.append(("data.seq_len", f"{data.seq_len} does not split into 2 x parallel.cp = {2 * cp} equal chunks"))
+    if data.micro_batch_tokens % (2 * cp):
+        problems.append(
+            ("data.micro_batch_tokens", f"{data.micro_batch_tokens} does not split into 2 x parallel.cp = {2 * cp} "
+             "equal chunks")
+        )  # fmt: skip
+    if config.model.attn not in CP_ATTENTION:
+        problems.append(("model.attn", f"{config.model.attn!r} does not run under parallel.cp > 1; use "
+                         f"{', '.join(CP_ATTENTION)}"))  # fmt: skip
+    if config.model.moe_balance.seq_aux_coeff > 0:
+        problems.append(("model.moe_balance.seq_aux_coeff", "the sequence-wise balance loss does not run under "
+                         "parallel.cp > 1 yet (a segment's tokens are spread over the CP group)"))  # fmt: skip
     return problems
 
 

@@ -10,6 +10,12 @@ from lmforge.config.base import Section
 class ParallelConfig(Section):
     """The process group of a run on several processes."""
 
+    cp: int = Field(default=1, ge=1)
+    """Context-parallel degree: every row of a micro-batch is split over this many ranks (each holds 2 of 2 x cp
+    equal chunks, so causal work is balanced), and attention gathers the row's keys and values from them. Data
+    parallelism takes the rest: world size / cp groups, each training on rows of its own. Use it when one row
+    (data.micro_batch_tokens) does not fit one device; see docs/training.md."""
+
     timeout_s: float = Field(default=300.0, gt=0)
     """Seconds a rank waits in one collective (an all-reduce, a checkpoint's agreement) for the others before it
     gives up and exits, naming the ranks that stopped answering. Raise it when one rank may legitimately work alone

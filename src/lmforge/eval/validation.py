@@ -44,7 +44,9 @@ from lmforge.data.tokens import check_shards, check_token_ids
 from lmforge.eval.harness import count_words, harness_requests, rolling_metrics, rolling_requests, text_logliks
 from lmforge.eval.scoring import ScoringRow, pack_requests, score_requests
 from lmforge.eval.sets import EvalSet, Request, build_requests, fit_requests, ppl_tokens, read_eval_dir, set_metrics
+from lmforge.model.context_parallel import ContextShard
 from lmforge.model.loss import IGNORE_INDEX
+from lmforge.parallel.context import shard_micro_batch
 
 SCORING_CHUNK = 1024
 """Tokens per LM-head chunk while scoring: fp32 logits without holding them all."""
@@ -96,13 +98,17 @@ def chunk_rows(tokens: np.ndarray, doc_starts: np.ndarray, seq_len: int, row_tok
             if pad:
                 current.append(padding_window(pad))
             batch = pack_windows(current)
-            scored = batch["target_ids"][batch["loss_mask"]].numpy()
-            rows.append(_Row(batch, int(nbytes[scored].sum())))
+            rows.append(_Row(batch, scored_bytes(batch, nbytes)))
             current, used = [], 0
         if w is not None:
             current.append(w)
             used += n
     return rows
+
+
+def scored_bytes(batch: MicroBatch, nbytes: np.ndarray) -> int:
+    """UTF-8 bytes the scored targets of a row stand for (`nbytes` from `token_bytes`)."""
+    return int(nbytes[batch["target_ids"][batch["loss_mask"]].numpy()].sum())
 
 
 def split_by_source(name: str, tokens: np.ndarray, doc_starts: np.ndarray, doc_sources: np.ndarray,
@@ -174,10 +180,13 @@ class Validator:
     callback) or a snapshot loaded by the eval worker."""
 
     def __init__(self, cfg: ValConfig, data: DataConfig, tokenizer: TokenizerInfo | None, rank: int,
-                 world_size: int) -> None:  # fmt: skip
-        """Read and chunk every set once; `data` gives the defaults and, for `val.data`, the sample rules."""
+                 world_size: int, shard: ContextShard | None = None) -> None:  # fmt: skip
+        """Read and chunk every set once; `data` gives the defaults and, for `val.data`, the sample rules. Rows
+        are dealt over `world_size` data-parallel ranks; under context parallelism (`shard`), every rank of a CP
+        group scores the same rows, each its own chunks of them."""
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
+        self.shard = shard if shard is not None else ContextShard(None, 0, 1)
         self.seq_lens = cfg.seq_lens or [data.seq_len]
         row_tokens = cfg.micro_batch_tokens or data.micro_batch_tokens
         if max(self.seq_lens) > row_tokens + 1:
@@ -216,6 +225,24 @@ class Validator:
                 raise ConfigError(f"val.micro_batch_tokens ({row_tokens}) must hold a sample of data.seq_len tokens")
             self.samples = load_samples(cfg.data, tokenizer, data)
             self.rows[("", SAMPLES)] = sample_rows(self.samples, row_tokens)
+        if self.shard.size > 1:
+            self._split_rows(row_tokens, nbytes)
+
+    def _split_rows(self, row_tokens: int, nbytes: np.ndarray) -> None:
+        """Keep this CP rank's chunks of every row (see `lmforge.parallel.context`), with the bytes its own scored
+        tokens stand for."""
+        if row_tokens % (2 * self.shard.size):
+            raise ConfigError(
+                f"val.micro_batch_tokens ({row_tokens}) does not split into 2 x parallel.cp = {2 * self.shard.size} "
+                "equal chunks"
+            )
+        for key, rows in self.rows.items():
+            split = [shard_micro_batch(r.batch, self.shard) for r in rows]
+            self.rows[key] = [_Row(b, scored_bytes(b, nbytes) if len(nbytes) else 0) for b in split]
+        index = self.shard.index(row_tokens).numpy()
+        for choice in self.choices.values():
+            rows = choice.rows
+            choice.rows = [ScoringRow(shard_micro_batch(r.batch, self.shard), r.request_ids[index]) for r in rows]
 
     def _add_set_file(self, name: str, convention: str, files: dict[str, EvalSet], tokenizer: TokenizerInfo,
                       row_tokens: int, nbytes: np.ndarray) -> None:  # fmt: skip

@@ -23,10 +23,14 @@ import importlib.util
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from lmforge.model.context_parallel import ContextShard
 
 BACKENDS = ("flash", "varlen", "flex", "sdpa", "sdpa_loop")
 """Names accepted by `model.attn`, besides `auto`."""
@@ -52,6 +56,8 @@ class DocumentMask:
     """int32 [T]: the segment index of each position, on the compute device."""
     cache: dict[str, object] = field(default_factory=dict)
     """Backend-specific masks, built on first use and reused by the other layers."""
+    shard: ContextShard | None = None
+    """Under context parallelism: this rank's part of the row, which the segments above describe whole."""
 
     @classmethod
     def from_seq_lens(cls, seq_lens: Tensor, device: torch.device) -> DocumentMask:

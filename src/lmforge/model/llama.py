@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from lmforge.model.attention import AttentionFn, DocumentMask, get_attention
 from lmforge.model.config import AnyArch
+from lmforge.model.context_parallel import ContextShard, context_attention
 from lmforge.model.loss import head_cross_entropy, head_token_losses
 from lmforge.model.mlp import MLP
 from lmforge.model.moe import MoE
@@ -98,7 +99,10 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
         """x [T, hidden] -> [T, hidden]."""
         q, k, v = self.qkv(x, cos, sin)
-        out = self.attention(q, k, v, mask)
+        if mask.shard is not None:
+            out = context_attention(q, k, v, mask.doc_ids, mask.shard, mask.cache)
+        else:
+            out = self.attention(q, k, v, mask)
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
@@ -133,15 +137,22 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, attention, i) for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.context: ContextShard | None = None
+        """Under context parallelism (set by `lmforge.parallel.parallelize`): this rank's part of every row; the
+        inputs are its tokens only, and `seq_lens` describes the whole row."""
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, seq_lens: Tensor) -> Tensor:
-        """input_ids and position_ids [1, T], seq_lens [S] -> final hidden states [1, T, hidden]."""
+        """input_ids and position_ids [1, T], seq_lens [S] -> final hidden states [1, T, hidden] (under context
+        parallelism, this rank's T / cp tokens of a row whose segments `seq_lens` gives)."""
         if input_ids.shape[0] != 1:
             raise ValueError(f"a micro-batch is one packed row; got batch size {input_ids.shape[0]}")
         x = self.embed_tokens(input_ids[0])
         mask = DocumentMask.from_seq_lens(seq_lens, x.device)
-        if mask.total != x.shape[0]:
-            raise ValueError(f"seq_lens add up to {mask.total} but the row holds {x.shape[0]} tokens")
+        mask.shard = self.context
+        local = mask.total if self.context is None else mask.total // self.context.size
+        if local != x.shape[0]:
+            raise ValueError(f"seq_lens add up to {mask.total}, which is not the {x.shape[0]} tokens of this row"
+                             + ("" if self.context is None else f" x cp {self.context.size}"))  # fmt: skip
         cos, sin = rotary_cos_sin(position_ids, self.arch.rotary_dim, self.arch.rope_theta, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -20,6 +21,17 @@ def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def context_kernel(attn: str, device: torch.device) -> str:
+    """The attention kernel under context parallelism for `model.attn`: flex attention for `flex` (and for `auto`
+    on CUDA), SDPA with an explicit mask for `sdpa` (and `auto` on the CPU); the varlen kernels and `sdpa_loop`
+    take no split row (refused when the config is checked)."""
+    if attn == "flex" or (attn == "auto" and device.type == "cuda"):
+        return "flex"
+    if attn in ("sdpa", "auto"):
+        return "sdpa"
+    raise ValueError(f"model.attn = {attn!r} does not run under context parallelism; use auto, sdpa or flex")
 
 
 def fsdp_wraps(cfg: ModelConfig, ctx: DistContext) -> bool:
@@ -60,6 +72,8 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], cfg: ModelConfig, ctx
     (5-10% of a CPU step, docs/benchmarks.md) and computes bit-identical results. With bf16 parameters FSDP's
     mixed-precision policy is what keeps fp32 master weights, so it wraps at any world size.
     """
+    if ctx.cp.size > 1:
+        model.model.context = replace(ctx.cp, kernel=context_kernel(cfg.attn, ctx.device))  # type: ignore[union-attr]
     if cfg.ac.mode != "none":
         apply_activation_checkpointing(blocks, cfg.ac.freq, cfg.ac.mode)
     if cfg.compile:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lmforge.model.context_parallel import ContextShard
 
 
 @dataclass
@@ -28,7 +30,19 @@ class DistContext:
     device: torch.device
     """The compute device of this rank."""
     mesh: DeviceMesh
-    """1-D mesh over all ranks (data parallel / FSDP)."""
+    """1-D mesh over all ranks: FSDP shards parameters over every rank, data-parallel and context-parallel alike."""
+    cp: ContextShard = field(default_factory=lambda: ContextShard(None, 0, 1))
+    """This rank's context-parallel group (size 1 without context parallelism)."""
+
+    @property
+    def dp_rank(self) -> int:
+        """Data-parallel rank: which rows of a step this rank's CP group trains on."""
+        return self.rank // self.cp.size
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: world size / cp."""
+        return self.world_size // self.cp.size
 
     @property
     def is_main(self) -> bool:
@@ -41,8 +55,9 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(timeout_minutes: float = 30.0) -> DistContext:
-    """Start (or join) the process group from torchrun's environment, or as a group of one."""
+def init_distributed(timeout_minutes: float = 30.0, cp: int = 1) -> DistContext:
+    """Start (or join) the process group from torchrun's environment, or as a group of one. With `cp` > 1,
+    consecutive ranks form the context-parallel groups of a 2-D (dp, cp) device mesh."""
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
@@ -59,8 +74,15 @@ def init_distributed(timeout_minutes: float = 30.0) -> DistContext:
         else:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     world = dist.get_world_size()
+    if world % cp:
+        raise ValueError(f"parallel.cp = {cp} does not divide the world size {world}")
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
-    return DistContext(dist.get_rank(), world, local_rank, device, mesh)
+    rank = dist.get_rank()
+    shard = ContextShard(None, 0, 1)
+    if cp > 1:
+        grid = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
+        shard = ContextShard(grid.get_group("cp"), rank % cp, cp)
+    return DistContext(rank, world, local_rank, device, mesh, shard)
 
 
 def shutdown_distributed() -> None:

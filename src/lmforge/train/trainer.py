@@ -33,6 +33,7 @@ from lmforge.model.roles import param_role
 from lmforge.monitor import Monitors
 from lmforge.optim import Optimizers, OptimizerStep, build_optimizer
 from lmforge.parallel import DistContext
+from lmforge.parallel.context import shard_micro_batch
 from lmforge.runtime.checkpoint import MODEL_FILES, load_checkpoint
 from lmforge.runtime.hf_folder import write_model_files
 from lmforge.runtime.host_memory import retain_freed_memory
@@ -108,7 +109,8 @@ class Trainer:
         self.step = self.tokens_seen = 0
         self.stop_agreed, self.stopped_by = False, None
         self.tokenizer = load_tokenizer(config.tokenizer.name) if config.tokenizer.name else None
-        source = build_step_data(config.data, ctx.rank, ctx.world_size, self.tokenizer)
+        # Every rank of a context-parallel group trains on the same rows: they are dealt per data-parallel rank.
+        source = build_step_data(config.data, ctx.dp_rank, ctx.dp_size, self.tokenizer)
         self.model = build_run_model(config, self.tokenizer, ctx)
         arch = config.model.arch
         assert arch is not None, "model.arch is filled in from model.name when the config is loaded"
@@ -142,7 +144,7 @@ class Trainer:
             ", freed host memory kept for reuse (glibc mallopt)" if kept else "",
         )  # fmt: skip
         if config.val.sets or config.val.data:
-            validator = Validator(config.val, config.data, self.tokenizer, ctx.rank, ctx.world_size)
+            validator = Validator(config.val, config.data, self.tokenizer, ctx.dp_rank, ctx.dp_size, ctx.cp)
             self.callbacks.append(Validation(validator))
         self.callbacks += [*callbacks, Reporting(config)]
         saved = state.get("callbacks", {})
@@ -203,6 +205,7 @@ class Trainer:
         """One optimizer step over this rank's micro-batches; returns the step's global metrics. `stop` is this
         rank's stop request; `self.stop_agreed` says afterwards whether any rank made one."""
         device, defer = self.ctx.device, self.config.model.defer_grad_sync
+        micro_batches = [shard_micro_batch(mb, self.ctx.cp) for mb in micro_batches]
         for cb in self.callbacks:
             cb.on_step_start(self, micro_batches)
         stats = run_micro_batches(self.model, micro_batches, device, defer)
@@ -230,7 +233,8 @@ class Trainer:
         device = self.ctx.device
         wait = torch.tensor(data_wait, device=device)
         memory = torch.tensor(peak_memory_gib(device), device=device)
-        pairs = float(attended_pairs(mb["seq_lens"] for mb in micro_batches))
+        # Under context parallelism every rank of a group has the whole row's segments: each counts its share.
+        pairs = float(attended_pairs(mb["seq_lens"] for mb in micro_batches)) / self.ctx.cp.size
         sums: dict[str, torch.Tensor] = {
             "loss_sum": stats.loss_sum,
             "loss_tokens": stats.loss_tokens,

@@ -1,0 +1,136 @@
+"""Context parallelism: one packed row split over the ranks of a context-parallel (CP) group.
+
+A row of T tokens is cut into 2 x cp equal chunks and CP rank r holds chunks r and 2cp - 1 - r, so that every rank
+gets as much causal attention work as the others (an early chunk attends to few keys, a late one to many). Every
+rank of the group runs the model on its T / cp tokens; attention gathers the keys and values of the whole row
+from the group (all-gather in forward, the gradients summed back to their owners in backward) and lets each local
+query attend to the keys of its own document at or before its position in the row. Documents may cross chunk and
+rank boundaries: the mask is built from the whole row's segment lengths, which every rank of the group has.
+
+The kernels: SDPA with an explicit [T / cp, T] boolean mask (any device; exact), or flex attention with a block
+mask over the same layout (CUDA, compiled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+CP_KERNELS = ("sdpa", "flex")
+"""Attention kernels under context parallelism."""
+
+
+def chunk_index(total: int, rank: int, size: int) -> Tensor:
+    """int64 positions in a row of `total` tokens that CP rank `rank` of `size` holds: chunk `rank`, then chunk
+    `2 size - 1 - rank`, of 2 x size equal chunks."""
+    if total % (2 * size):
+        raise ValueError(f"a row of {total} tokens does not split into 2 x cp = {2 * size} equal chunks")
+    chunk = total // (2 * size)
+    first, second = rank * chunk, (2 * size - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+
+
+@dataclass(frozen=True)
+class ContextShard:
+    """This rank's place in its context-parallel group."""
+
+    group: dist.ProcessGroup | None
+    """The CP group (None only for size 1)."""
+    rank: int
+    """Rank within the group."""
+    size: int
+    """Ranks in the group (cp)."""
+    kernel: str = "sdpa"
+    """Attention kernel under CP, one of `CP_KERNELS`."""
+
+    def index(self, total: int) -> Tensor:
+        """Positions of this rank's tokens in a row of `total` tokens (CPU)."""
+        return chunk_index(total, self.rank, self.size)
+
+    def gathered_index(self, total: int) -> Tensor:
+        """Row positions of the gathered keys: every rank's tokens, in rank order (CPU)."""
+        return torch.cat([chunk_index(total, r, self.size) for r in range(self.size)])
+
+
+class _GatherRow(torch.autograd.Function):
+    """All-gather along the token dimension; backward sums each rank's gradient slice back to its owner."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, shard: ContextShard) -> Tensor:  # type: ignore[override]
+        ctx.shard = shard  # type: ignore[attr-defined]
+        parts = [torch.empty_like(x) for _ in range(shard.size)]
+        dist.all_gather(parts, x.contiguous(), group=shard.group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        shard: ContextShard = ctx.shard  # type: ignore[attr-defined]
+        grad = grad.contiguous()
+        local = grad.shape[0] // shard.size
+        if dist.get_backend(shard.group) == "nccl":
+            out = torch.empty((local, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+            dist.reduce_scatter_tensor(out, grad, group=shard.group)
+            return out, None
+        # gloo has no reduce-scatter: sum everything, keep this rank's slice.
+        dist.all_reduce(grad, group=shard.group)
+        return grad[shard.rank * local : (shard.rank + 1) * local].clone(), None
+
+
+def gather_row(x: Tensor, shard: ContextShard) -> Tensor:
+    """[T / cp, ...] on every rank of the group -> [T, ...] in rank order, differentiable."""
+    return _GatherRow.apply(x, shard)  # type: ignore[no-any-return]
+
+
+def context_mask(doc_ids: Tensor, shard: ContextShard, cache: dict[str, object]) -> Tensor:
+    """Boolean [T / cp, T]: local query i may attend gathered key j (same document, not after it in the row)."""
+    dense = cache.get("cp_dense")
+    if dense is None:
+        total = doc_ids.numel()
+        q_pos = shard.index(total).to(doc_ids.device)
+        k_pos = shard.gathered_index(total).to(doc_ids.device)
+        dense = (doc_ids[q_pos][:, None] == doc_ids[k_pos][None, :]) & (k_pos[None, :] <= q_pos[:, None])
+        cache["cp_dense"] = dense
+    return dense  # type: ignore[return-value]
+
+
+def _flex_mask(doc_ids: Tensor, shard: ContextShard, cache: dict[str, object]) -> object:
+    block = cache.get("cp_flex")
+    if block is None:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        total = doc_ids.numel()
+        q_pos = shard.index(total).to(doc_ids.device)
+        k_pos = shard.gathered_index(total).to(doc_ids.device)
+
+        def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            qp, kp = q_pos[q_idx], k_pos[kv_idx]
+            return (doc_ids[qp] == doc_ids[kp]) & (kp <= qp)
+
+        block = create_block_mask(document_causal, None, None, len(q_pos), total, device=doc_ids.device)
+        cache["cp_flex"] = block
+    return block
+
+
+@torch.compiler.disable
+def context_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor, shard: ContextShard,
+                      cache: dict[str, object]) -> Tensor:  # fmt: skip
+    """Attention of this rank's queries [T / cp, Hq, D] over the whole row's keys and values, gathered from the
+    CP group (`k`, `v` [T / cp, Hkv, D] are this rank's); `doc_ids` [T] is the whole row's segment index."""
+    kv = gather_row(torch.cat([k, v], dim=1), shard)  # one collective for both
+    k_all, v_all = kv.split([k.shape[1], v.shape[1]], dim=1)
+    gqa = q.shape[1] != k.shape[1]
+    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k_all, v_all))
+    if shard.kernel == "flex":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        from lmforge.model.attention import _compiled_flex
+
+        fn = _compiled_flex() if q.is_cuda else flex_attention  # eager on the CPU (forward only), as without CP
+        out = fn(qs, ks, vs, block_mask=_flex_mask(doc_ids, shard, cache), enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=context_mask(doc_ids, shard, cache), enable_gqa=gqa)
+    return out.squeeze(0).transpose(0, 1)  # type: ignore[union-attr]

@@ -1,0 +1,109 @@
+"""Training under context parallelism equals training without it: per-step losses and gradient norms with
+cp = 2 (2 processes) and cp = 2 x dp = 2 (4 processes) match one process within 1e-5 (fp32, document masking on,
+documents crossing chunk boundaries), a checkpoint resumes across layouts, validation gives the numbers it gives
+on one process, and so does an SFT run."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lmforge.monitor import read_metrics
+from tests.chat import chat_tokenizer, conversation, write_jsonl
+from tests.integration.runner import run_cli, write_config
+from tests.shards import random_docs, word_tokenizer, write_shard
+
+pytestmark = pytest.mark.slow
+
+
+def _curve(run: Path, key: str) -> list[float]:
+    return [r[key] for r in read_metrics(run / "metrics.jsonl") if r["step"] > 0 and key in r]
+
+
+def _train(cfg: Path, out: Path, nproc: int, cp: int, *extra: str) -> None:
+    result = run_cli(["train", "@", str(cfg), "--output-dir", str(out), "--parallel.cp", str(cp), *extra],
+                     nproc=nproc, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_cp_runs_train_like_one_process_and_resume_across_layouts(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, "base", max_steps=4)  # fake data: documents of ~24 tokens in rows of 128
+    _train(cfg, tmp_path / "one", 1, 1, "--ckpt.interval", "2")
+    _train(cfg, tmp_path / "cp2", 2, 2, "--ckpt.interval", "2")
+    _train(cfg, tmp_path / "cp2dp2", 4, 2)
+    for key in ("loss/mean", "optim/grad_norm", "loss/tokens"):
+        want = _curve(tmp_path / "one", key)
+        assert len(want) == 4
+        for run in ("cp2", "cp2dp2"):
+            assert _curve(tmp_path / run, key) == pytest.approx(want, rel=1e-5, abs=1e-6), (run, key)
+    # (dp 1, cp 1) -> (dp 1, cp 2) -> (dp 2, cp 2): each resumes the previous layout's step-2 checkpoint
+    one = tmp_path / "one"
+    _train(cfg, tmp_path / "to_cp2", 2, 2, "--resume.step", "2", "--resume.path", str(one))
+    _train(cfg, tmp_path / "to_dp2", 4, 2, "--resume.step", "2", "--resume.path", str(tmp_path / "cp2"))
+    for run in ("to_cp2", "to_dp2"):
+        assert _curve(tmp_path / run, "loss/mean") == pytest.approx(_curve(one, "loss/mean")[2:], rel=1e-5), run
+
+
+def test_validation_under_cp_equals_one_process(tmp_path: Path) -> None:
+    tok = word_tokenizer(tmp_path / "tok")
+    write_shard(tmp_path / "heldout", "00000", random_docs(40, seed=5))
+    sets, rng = tmp_path / "sets", np.random.default_rng(0)
+    words = lambda n: " ".join(f"w{i}" for i in rng.integers(1, 200, size=n))  # noqa: E731
+    write_jsonl(sets / "words.ppl.jsonl", [{"text": words(int(n))} for n in rng.integers(3, 90, size=10)])
+    quiz = [{"context": words(7), "continuations": [" " + words(2) for _ in "abc"], "label": i % 3} for i in range(9)]
+    write_jsonl(sets / "quiz.ctxcont.jsonl", quiz)
+    write_jsonl(sets / "minimal.pairs.jsonl", [{"good": words(4), "bad": words(4)} for _ in range(7)])
+    shutil.copy(sets / "words.ppl.jsonl", sets / "words_h.ppl.jsonl")
+    cfg = write_config(tmp_path, "base", max_steps=2)
+    val = ["--tokenizer.name", str(tok), "--val.seq-lens", "[16, 64]", "--val.data-dir", str(sets), "--val.sets",
+           f'[{{name = "held", path = "{tmp_path / "heldout"}"}}, "words", "quiz", "minimal", '
+           '{name = "words_h", convention = "lmeval"}]']  # fmt: skip
+    _train(cfg, tmp_path / "one", 1, 1, *val)
+    _train(cfg, tmp_path / "cp2", 2, 2, *val)
+    (want,) = [r for r in read_metrics(tmp_path / "one" / "metrics.jsonl") if "time/val" in r]
+    (got,) = [r for r in read_metrics(tmp_path / "cp2" / "metrics.jsonl") if "time/val" in r]
+    keys = [k for k in want if k.startswith("val/")]
+    assert len(keys) > 20 and "val/words_h/word_perplexity@16" in keys and "val/held/bpb@64" in keys
+    for key in keys:
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+
+
+def test_an_sft_run_under_cp_equals_one_process(tmp_path: Path) -> None:
+    tok = chat_tokenizer(tmp_path / "tok")
+    rows = [{"messages": conversation(i, turns=1 + i % 3, system=i % 2 == 0)} for i in range(40)]
+    write_jsonl(tmp_path / "chat" / "train.jsonl", rows[:32])
+    write_jsonl(tmp_path / "chat" / "val.jsonl", rows[32:])
+    cfg = tmp_path / "sft.toml"
+    cfg.write_text(f"""
+max_steps = 3
+[tokenizer]
+name = "{tok.as_posix()}"
+[model.arch]
+model_type = "llama"
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+max_position_embeddings = 256
+[data]
+type = "sft"
+paths = ["{(tmp_path / "chat" / "train.jsonl").as_posix()}"]
+seq_len = 128
+batch_tokens = 512
+micro_batch_tokens = 256
+max_epochs = 4
+[val]
+data = "{(tmp_path / "chat" / "val.jsonl").as_posix()}"
+[optim]
+lr = 3e-3
+""")
+    _train(cfg, tmp_path / "one", 1, 1)
+    _train(cfg, tmp_path / "cp2", 2, 2)
+    for key in ("loss/mean", "optim/grad_norm", "loss/tokens", "val/loss"):
+        want = _curve(tmp_path / "one", key)
+        assert want, key
+        assert _curve(tmp_path / "cp2", key) == pytest.approx(want, rel=1e-5, abs=1e-6), key

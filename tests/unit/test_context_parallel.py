@@ -1,0 +1,132 @@
+"""Context parallelism: the chunk layout, micro-batch splits, config checks, and attention over a CP group (2 and
+4 gloo processes) equal to single-process document-masked attention, forward and backward."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lmforge.config.checks import context_problems
+from lmforge.model.attention import DocumentMask, sdpa_attention
+from lmforge.model.context_parallel import ContextShard, chunk_index
+from lmforge.parallel.context import shard_micro_batch
+from tests.spawn import free_port, join_as_rank, run_ranks
+
+# Documents cross chunk and rank boundaries; one (20 tokens) is longer than a chunk of 64 / (2 x 4) = 8.
+SEQ_LENS = [5, 20, 3, 9, 1, 14, 12]
+T, HQ, HKV, D = 64, 4, 2, 8
+
+
+def test_chunks_are_balanced_and_cover_the_row_once() -> None:
+    for size in (1, 2, 4):
+        parts = [chunk_index(T, r, size) for r in range(size)]
+        assert sorted(torch.cat(parts).tolist()) == list(range(T))
+        # rank r holds chunk r and chunk 2cp-1-r: every rank attends about the same number of causal pairs
+        work = [int((p + 1).sum()) for p in parts]
+        assert len(set(work)) == 1
+    assert chunk_index(16, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert chunk_index(16, 0, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    with pytest.raises(ValueError, match="does not split into 2 x cp = 8 equal chunks"):
+        chunk_index(20, 0, 4)
+
+
+def test_a_micro_batch_split_keeps_tokens_aligned_and_the_row_whole() -> None:
+    mb = {
+        "input_ids": torch.arange(16)[None],
+        "target_ids": torch.arange(1, 17)[None],
+        "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 1]]),
+        "loss_mask": torch.arange(16)[None] % 3 != 0,
+        "seq_lens": torch.tensor([3, 11, 2], dtype=torch.int32),
+        "source_tokens": torch.tensor([10, 6]),
+    }
+    parts = [shard_micro_batch(mb, ContextShard(None, r, 2)) for r in range(2)]
+    for p, r in zip(parts, range(2), strict=True):
+        index = chunk_index(16, r, 2)
+        for key in ("input_ids", "target_ids", "position_ids", "loss_mask"):
+            assert torch.equal(p[key], mb[key][:, index])
+        assert torch.equal(p["seq_lens"], mb["seq_lens"])
+    assert parts[0]["source_tokens"].tolist() == [10, 6] and parts[1]["source_tokens"].tolist() == [0, 0]
+    assert int(sum(p["loss_mask"].sum() for p in parts)) == int(mb["loss_mask"].sum())
+    assert shard_micro_batch(mb, ContextShard(None, 0, 1)) is mb
+    with pytest.raises(ValueError, match="'extra' has no context-parallel split"):
+        shard_micro_batch({**mb, "extra": torch.zeros(2)}, ContextShard(None, 0, 2))
+
+
+def _inputs() -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(T, h, D, generator=gen) for h in (HQ, HKV, HKV, HQ))
+    return q, k, v, grad
+
+
+def _reference() -> dict[str, list[float]]:
+    q, k, v, grad = (x.double() for x in _inputs())
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    mask = DocumentMask.from_seq_lens(torch.tensor(SEQ_LENS), torch.device("cpu"))
+    out = sdpa_attention(q, k, v, mask)
+    out.backward(grad)
+    return {"out": out.tolist(), "dq": q.grad.tolist(), "dk": k.grad.tolist(), "dv": v.grad.tolist()}
+
+
+def _worker(rank: int, port: int, size: int, kernel: str, folder: str) -> None:
+    join_as_rank(rank, port, size)
+    import torch.distributed as dist
+
+    from lmforge.model.context_parallel import context_attention
+
+    dist.init_process_group("gloo")
+    try:
+        shard = ContextShard(dist.new_group(list(range(size))), rank, size, kernel)
+        index = shard.index(T)
+        q, k, v, grad = (x.double()[index] for x in _inputs())
+        if kernel == "sdpa":  # flex attention has no backward on the CPU
+            q, k, v = (x.requires_grad_() for x in (q, k, v))
+        mask = DocumentMask.from_seq_lens(torch.tensor(SEQ_LENS), torch.device("cpu"))
+        out = context_attention(q, k, v, mask.doc_ids, shard, mask.cache)
+        result = {"index": index.tolist(), "out": out.tolist()}
+        if kernel == "sdpa":
+            out.backward(grad)
+            result |= {"dq": q.grad.tolist(), "dk": k.grad.tolist(), "dv": v.grad.tolist()}
+        Path(folder, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("size", "kernel"), [(2, "sdpa"), (4, "sdpa"), (2, "flex")])
+def test_attention_over_a_cp_group_equals_one_process(tmp_path: Path, size: int, kernel: str) -> None:
+    ref = {k: np.asarray(v) for k, v in _reference().items()}
+    results = run_ranks(_worker, (free_port(), size, kernel, str(tmp_path)), tmp_path, timeout=120, n=size)
+    for result in results:
+        index = np.asarray(result["index"])
+        for key in ("out", "dq", "dk", "dv") if kernel == "sdpa" else ("out",):
+            np.testing.assert_allclose(np.asarray(result[key]), ref[key][index], rtol=0, atol=1e-10, err_msg=key)
+
+
+class _Config:
+    """The fields `context_problems` reads."""
+
+    def __init__(self, cp: int, seq_len: int = 64, micro: int = 128, attn: str = "auto",
+                 seq_aux: float = 0.0) -> None:  # fmt: skip
+        from types import SimpleNamespace as NS
+
+        self.parallel = NS(cp=cp)
+        self.data = NS(seq_len=seq_len, micro_batch_tokens=micro)
+        self.model = NS(attn=attn, moe_balance=NS(seq_aux_coeff=seq_aux))
+
+
+def test_each_bad_layout_has_its_message() -> None:
+    assert context_problems(_Config(1), 3) == []
+    assert context_problems(_Config(2), 4) == []
+    found = dict(context_problems(_Config(4, seq_len=60, micro=132, attn="sdpa_loop", seq_aux=0.1), 6))
+    assert found == {
+        "parallel.cp": "4 does not divide the world size 6",
+        "data.seq_len": "60 does not split into 2 x parallel.cp = 8 equal chunks",
+        "data.micro_batch_tokens": "132 does not split into 2 x parallel.cp = 8 equal chunks",
+        "model.attn": "'sdpa_loop' does not run under parallel.cp > 1; use auto, sdpa, flex",
+        "model.moe_balance.seq_aux_coeff": "the sequence-wise balance loss does not run under parallel.cp > 1 yet (a "
+        "segment's tokens are spread over the CP group)",
+    }
