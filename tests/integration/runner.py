@@ -9,10 +9,7 @@ from pathlib import Path
 
 from lmforge.monitor import read_metrics
 
-TINY_RUN = """
-max_steps = {max_steps}
-output_dir = "{output_dir}"
-
+TINY_ARCH = """
 [model.arch]
 model_type = "llama"
 hidden_size = 64
@@ -21,7 +18,16 @@ num_hidden_layers = 2
 num_attention_heads = 4
 num_key_value_heads = 2
 max_position_embeddings = 256
+"""
+"""The tiny Llama of the CLI tests, as a TOML section."""
 
+TINY_RUN = (
+    """
+max_steps = {max_steps}
+output_dir = "{output_dir}"
+"""
+    + TINY_ARCH
+    + """
 [data]
 type = "fake"
 seq_len = 64
@@ -37,6 +43,7 @@ lr = 3e-3
 warmup = 0.2
 decay = 0.4
 """
+)
 
 
 def write_config(tmp_path: Path, name: str, max_steps: int = 6) -> Path:

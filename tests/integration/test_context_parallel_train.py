@@ -13,7 +13,7 @@ import pytest
 
 from lmforge.monitor import read_metrics
 from tests.chat import chat_tokenizer, conversation, write_jsonl
-from tests.integration.runner import run_cli, write_config
+from tests.integration.runner import TINY_ARCH, run_cli, write_config
 from tests.shards import random_docs, word_tokenizer, write_shard
 
 pytestmark = pytest.mark.slow
@@ -31,20 +31,23 @@ def _train(cfg: Path, out: Path, nproc: int, cp: int, *extra: str) -> None:
 
 def test_cp_runs_train_like_one_process_and_resume_across_layouts(tmp_path: Path) -> None:
     cfg = write_config(tmp_path, "base", max_steps=4)  # fake data: documents of ~24 tokens in rows of 128
-    _train(cfg, tmp_path / "one", 1, 1, "--ckpt.interval", "2")
-    _train(cfg, tmp_path / "cp2", 2, 2, "--ckpt.interval", "2")
+    _train(cfg, tmp_path / "one", 1, 1)
+    _train(cfg, tmp_path / "cp2", 2, 2)
     _train(cfg, tmp_path / "cp2dp2", 4, 2)
     for key in ("loss/mean", "optim/grad_norm", "loss/tokens"):
         want = _curve(tmp_path / "one", key)
         assert len(want) == 4
         for run in ("cp2", "cp2dp2"):
             assert _curve(tmp_path / run, key) == pytest.approx(want, rel=1e-5, abs=1e-6), (run, key)
-    # (dp 1, cp 1) -> (dp 1, cp 2) -> (dp 2, cp 2): each resumes the previous layout's step-2 checkpoint
-    one = tmp_path / "one"
-    _train(cfg, tmp_path / "to_cp2", 2, 2, "--resume.step", "2", "--resume.path", str(one))
-    _train(cfg, tmp_path / "to_dp2", 4, 2, "--resume.step", "2", "--resume.path", str(tmp_path / "cp2"))
-    for run in ("to_cp2", "to_dp2"):
-        assert _curve(tmp_path / run, "loss/mean") == pytest.approx(_curve(one, "loss/mean")[2:], rel=1e-5), run
+    # (dp 4, cp 1) -> (dp 2, cp 2) -> (dp 1, cp 4) on 4 processes: steps 1-2, 3 and 4 each in another layout,
+    # each run resuming the previous layout's checkpoint
+    _train(cfg, tmp_path / "dp4", 4, 1, "--ckpt.interval", "1", "--ckpt.keep-last", "4")
+    _train(cfg, tmp_path / "dp2cp2", 4, 2, "--ckpt.interval", "1", "--ckpt.keep-last", "4", "--resume.step", "2",
+           "--resume.path", str(tmp_path / "dp4"))  # fmt: skip
+    _train(cfg, tmp_path / "cp4", 4, 4, "--resume.step", "3", "--resume.path", str(tmp_path / "dp2cp2"))
+    got = [*_curve(tmp_path / "dp4", "loss/mean")[:2], _curve(tmp_path / "dp2cp2", "loss/mean")[0],
+           *_curve(tmp_path / "cp4", "loss/mean")]  # fmt: skip
+    assert got == pytest.approx(_curve(tmp_path / "one", "loss/mean"), rel=1e-5)
 
 
 def test_validation_under_cp_equals_one_process(tmp_path: Path) -> None:
@@ -65,10 +68,16 @@ def test_validation_under_cp_equals_one_process(tmp_path: Path) -> None:
     _train(cfg, tmp_path / "cp2", 2, 2, *val)
     (want,) = [r for r in read_metrics(tmp_path / "one" / "metrics.jsonl") if "time/val" in r]
     (got,) = [r for r in read_metrics(tmp_path / "cp2" / "metrics.jsonl") if "time/val" in r]
+    # lmforge eval scores the snapshots of a CP run under CP too (2 processes: one CP group)
+    _train(cfg, tmp_path / "snap", 2, 2, *val, "--eval-snapshots.interval", "2", "--no-val.eval-on-end")
+    worker = run_cli(["eval", str(tmp_path / "snap"), "--poll-seconds", "0.1"], nproc=2)
+    assert worker.returncode == 0, worker.stderr[-3000:]
+    (scored,) = [r for r in read_metrics(tmp_path / "snap" / "metrics.jsonl") if "time/val" in r]
     keys = [k for k in want if k.startswith("val/")]
     assert len(keys) > 20 and "val/words_h/word_perplexity@16" in keys and "val/held/bpb@64" in keys
     for key in keys:
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+        assert scored[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
 
 
 def test_an_sft_run_under_cp_equals_one_process(tmp_path: Path) -> None:
@@ -81,14 +90,7 @@ def test_an_sft_run_under_cp_equals_one_process(tmp_path: Path) -> None:
 max_steps = 3
 [tokenizer]
 name = "{tok.as_posix()}"
-[model.arch]
-model_type = "llama"
-hidden_size = 64
-intermediate_size = 128
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-max_position_embeddings = 256
+{TINY_ARCH}
 [data]
 type = "sft"
 paths = ["{(tmp_path / "chat" / "train.jsonl").as_posix()}"]

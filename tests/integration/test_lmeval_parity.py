@@ -23,7 +23,7 @@ from lmforge.data.tokenizer import load_tokenizer
 from lmforge.monitor import read_metrics
 from lmforge.prep.tokenizer_train import save_tokenizer_folder, train_bpe
 from tests.chat import write_jsonl
-from tests.integration.runner import env_one_thread, run_cli
+from tests.integration.runner import TINY_ARCH, env_one_thread, run_cli
 from tests.shards import write_shard
 
 pytest.importorskip("lm_eval")
@@ -104,14 +104,7 @@ max_steps = {STEPS}
 output_dir = "{(tmp / "run").as_posix()}"
 [tokenizer]
 name = "{(tmp / "tok").as_posix()}"
-[model.arch]
-model_type = "llama"
-hidden_size = 64
-intermediate_size = 128
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-max_position_embeddings = 128
+{TINY_ARCH}
 [data]
 type = "tokens"
 paths = ["{(tmp / "shards").as_posix()}"]

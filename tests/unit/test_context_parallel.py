@@ -1,5 +1,6 @@
 """Context parallelism: the chunk layout, micro-batch splits, config checks, and attention over a CP group (2 and
-4 gloo processes) equal to single-process document-masked attention, forward and backward."""
+4 gloo processes) equal to single-process document-masked attention, forward and backward, for the SDPA and flex
+kernels and for the varlen kernels' packing (run with a CPU stand-in of the CUDA kernel)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,17 @@ def test_chunks_are_balanced_and_cover_the_row_once() -> None:
     assert chunk_index(16, 0, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     with pytest.raises(ValueError, match="does not split into 2 x cp = 8 equal chunks"):
         chunk_index(20, 0, 4)
+
+
+def test_varlen_pieces_are_runs_of_one_document_in_one_chunk() -> None:
+    from lmforge.model.context_parallel import varlen_layout
+
+    # a row of 16 in chunks of 4: rank 0 holds [0, 4) and [12, 16), rank 1 [4, 12); documents [0, 3) [3, 14) [14, 16)
+    zero, one = (varlen_layout([3, 11, 2], ContextShard(None, r, 2)) for r in range(2))
+    assert zero.cu_q.tolist() == [0, 3, 4, 6, 8] and zero.cu_k.tolist() == [0, 3, 4, 15, 17]
+    assert zero.key_index.tolist() == [0, 1, 2, 3, *range(3, 14), 14, 15]
+    assert (zero.max_q, zero.max_k) == (3, 11)
+    assert one.cu_q.tolist() == [0, 8] and one.cu_k.tolist() == [0, 9] and one.key_index.tolist() == list(range(3, 12))
 
 
 def test_a_micro_batch_split_keeps_tokens_aligned_and_the_row_whole() -> None:
@@ -71,23 +83,42 @@ def _reference() -> dict[str, list[float]]:
     return {"out": out.tolist(), "dq": q.grad.tolist(), "dk": k.grad.tolist(), "dv": v.grad.tolist()}
 
 
+def bottom_right_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                       max_q: int, max_k: int) -> torch.Tensor:  # fmt: skip
+    """What the CUDA varlen kernels compute (flash attention's semantics), on the CPU: causal attention per packed
+    sequence, a query sequence shorter than its keys aligned to their end."""
+    outs = []
+    for i in range(len(cu_q) - 1):
+        qs, ks, vs = q[cu_q[i] : cu_q[i + 1]], k[cu_k[i] : cu_k[i + 1]], v[cu_k[i] : cu_k[i + 1]]
+        assert len(qs) <= max_q and len(ks) <= max_k
+        allowed = torch.arange(len(ks))[None, :] <= torch.arange(len(qs))[:, None] + (len(ks) - len(qs))
+        qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (qs, ks, vs))
+        out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, enable_gqa=True)
+        outs.append(out.squeeze(0).transpose(0, 1))
+    return torch.cat(outs)
+
+
 def _worker(rank: int, port: int, size: int, kernel: str, folder: str) -> None:
     join_as_rank(rank, port, size)
     import torch.distributed as dist
 
+    import lmforge.model.attention as attention
     from lmforge.model.context_parallel import context_attention
 
+    attention.varlen_call = bottom_right_varlen  # the kernel is CUDA-only; its packing is what runs here
     dist.init_process_group("gloo")
     try:
         shard = ContextShard(dist.new_group(list(range(size))), rank, size, kernel)
         index = shard.index(T)
         q, k, v, grad = (x.double()[index] for x in _inputs())
-        if kernel == "sdpa":  # flex attention has no backward on the CPU
+        backward = kernel != "flex"  # flex attention has no backward on the CPU
+        if backward:
             q, k, v = (x.requires_grad_() for x in (q, k, v))
         mask = DocumentMask.from_seq_lens(torch.tensor(SEQ_LENS), torch.device("cpu"))
-        out = context_attention(q, k, v, mask.doc_ids, shard, mask.cache)
+        mask.shard = shard
+        out = context_attention(q, k, v, mask)
         result = {"index": index.tolist(), "out": out.tolist()}
-        if kernel == "sdpa":
+        if backward:
             out.backward(grad)
             result |= {"dq": q.grad.tolist(), "dk": k.grad.tolist(), "dv": v.grad.tolist()}
         Path(folder, f"rank{rank}.json").write_text(json.dumps(result))
@@ -96,13 +127,13 @@ def _worker(rank: int, port: int, size: int, kernel: str, folder: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("size", "kernel"), [(2, "sdpa"), (4, "sdpa"), (2, "flex")])
+@pytest.mark.parametrize(("size", "kernel"), [(2, "sdpa"), (4, "sdpa"), (2, "flex"), (2, "varlen"), (4, "varlen")])
 def test_attention_over_a_cp_group_equals_one_process(tmp_path: Path, size: int, kernel: str) -> None:
     ref = {k: np.asarray(v) for k, v in _reference().items()}
     results = run_ranks(_worker, (free_port(), size, kernel, str(tmp_path)), tmp_path, timeout=120, n=size)
     for result in results:
         index = np.asarray(result["index"])
-        for key in ("out", "dq", "dk", "dv") if kernel == "sdpa" else ("out",):
+        for key in ("out",) if kernel == "flex" else ("out", "dq", "dk", "dv"):
             np.testing.assert_allclose(np.asarray(result[key]), ref[key][index], rtol=0, atol=1e-10, err_msg=key)
 
 
@@ -126,7 +157,7 @@ def test_each_bad_layout_has_its_message() -> None:
         "parallel.cp": "4 does not divide the world size 6",
         "data.seq_len": "60 does not split into 2 x parallel.cp = 8 equal chunks",
         "data.micro_batch_tokens": "132 does not split into 2 x parallel.cp = 8 equal chunks",
-        "model.attn": "'sdpa_loop' does not run under parallel.cp > 1; use auto, sdpa, flex",
+        "model.attn": "'sdpa_loop' does not run under parallel.cp > 1; use auto, sdpa, flex, varlen, flash",
         "model.moe_balance.seq_aux_coeff": "the sequence-wise balance loss does not run under parallel.cp > 1 yet (a "
         "segment's tokens are spread over the CP group)",
     }

@@ -53,7 +53,7 @@ def config_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
     return problems
 
 
-CP_ATTENTION = ("auto", "sdpa", "flex")
+CP_ATTENTION = ("auto", "sdpa", "flex", "varlen", "flash")
 """`model.attn` values that run under context parallelism."""
 
 

@@ -59,16 +59,18 @@ def run_worker(run: Path, config: TrainConfig, poll_seconds: float = 10.0, lates
     from lmforge.eval.validation import Validator
     from lmforge.monitor import JsonlMonitor, Monitors
     from lmforge.monitor.wandb import WandbMonitor
-    from lmforge.parallel import init_distributed, shutdown_distributed
+    from lmforge.parallel import env_world_size, init_distributed, shutdown_distributed
     from lmforge.runtime.checkpoint import SNAPSHOTS, load_model_state, step_name
     from lmforge.runtime.model_setup import build_run_model
 
-    ctx = init_distributed()
+    # The run's context parallelism when this worker's world size allows it; the numbers are the same without.
+    cp = config.parallel.cp
+    ctx = init_distributed(cp=cp if env_world_size() % cp == 0 else 1)
     console = Console()
     try:
         tokenizer = load_tokenizer(config.tokenizer.name) if config.tokenizer.name else None
         model = build_run_model(config, tokenizer, ctx)
-        validator = Validator(config.val, config.data, tokenizer, ctx.rank, ctx.world_size)
+        validator = Validator(config.val, config.data, tokenizer, ctx.dp_rank, ctx.dp_size, ctx.cp)
         monitor = None
         if ctx.is_main:
             monitor = Monitors([JsonlMonitor(run / "metrics.jsonl")])

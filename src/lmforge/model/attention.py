@@ -186,6 +186,13 @@ def _repeat_kv(x: Tensor, groups: int) -> Tensor:
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
     """PyTorch's varlen flash attention (CUDA). Handles both the torch 2.11 and the newer signature."""
+    cu = mask.cu_seqlens
+    return varlen_call(q, k, v, cu, cu, mask.max_seqlen, mask.max_seqlen)
+
+
+def varlen_call(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int) -> Tensor:
+    """Causal `varlen_attn` over packed sequences; where a query sequence is shorter than its key sequence, its
+    queries are the last ones (the causal mask is aligned to the bottom right, as in flash attention)."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = _varlen_params()
@@ -199,8 +206,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Ten
         kwargs["enable_gqa"] = True
     else:
         k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
-    cu = mask.cu_seqlens
-    return varlen_attn(q, k, v, cu, cu, mask.max_seqlen, mask.max_seqlen, **kwargs)  # type: ignore[return-value]
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)  # type: ignore[return-value]
 
 
 @functools.cache
@@ -212,10 +218,15 @@ def _varlen_params() -> frozenset[str]:
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
     """flash-attn's varlen kernel (CUDA, bf16/fp16); it supports grouped-query attention natively."""
+    cu = mask.cu_seqlens
+    return flash_call(q, k, v, cu, cu, mask.max_seqlen, mask.max_seqlen)
+
+
+def flash_call(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int) -> Tensor:
+    """Causal `flash_attn_varlen_func` over packed sequences (bottom-right aligned, like `varlen_call`)."""
     from flash_attn import flash_attn_varlen_func
 
-    cu = mask.cu_seqlens
-    return flash_attn_varlen_func(q, k, v, cu, cu, mask.max_seqlen, mask.max_seqlen, causal=True)
+    return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)  # type: ignore[no-any-return]
 
 
 def choose_backend(seq_lens: list[int], device: torch.device) -> str:

@@ -7,20 +7,28 @@ from the group (all-gather in forward, the gradients summed back to their owners
 query attend to the keys of its own document at or before its position in the row. Documents may cross chunk and
 rank boundaries: the mask is built from the whole row's segment lengths, which every rank of the group has.
 
-The kernels: SDPA with an explicit [T / cp, T] boolean mask (any device; exact), or flex attention with a block
-mask over the same layout (CUDA, compiled).
+The kernels: SDPA with an explicit [T / cp, T] boolean mask (any device), flex attention with a block mask over the
+same layout (CUDA, compiled), or a varlen kernel (flash-attn's or PyTorch's, CUDA) over "pieces": each run of
+local queries of one document within one chunk is a query sequence whose keys are its document from its start up
+to the piece's last query (`varlen_layout`); the kernels align a shorter query sequence to the end of its keys, so
+causality within the document holds exactly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-CP_KERNELS = ("sdpa", "flex")
+if TYPE_CHECKING:
+    from lmforge.model.attention import DocumentMask
+
+CP_KERNELS = ("sdpa", "flex", "varlen", "flash")
 """Attention kernels under context parallelism."""
 
 
@@ -56,6 +64,40 @@ class ContextShard:
         return torch.cat([chunk_index(total, r, self.size) for r in range(self.size)])
 
 
+@dataclass(frozen=True)
+class VarlenLayout:
+    """This rank's queries as packed sequences ("pieces") and the keys of each, for a varlen kernel."""
+
+    cu_q: Tensor
+    """int32 [P + 1]: offsets of the pieces in this rank's queries."""
+    cu_k: Tensor
+    """int32 [P + 1]: offsets of the pieces' key sequences in the packed keys."""
+    key_index: Tensor
+    """int64: the row position of every packed key (a key may serve several pieces of its document)."""
+    max_q: int
+    """Longest piece."""
+    max_k: int
+    """Longest key sequence."""
+
+
+def varlen_layout(seq_lens: list[int], shard: ContextShard) -> VarlenLayout:
+    """The pieces of this rank's queries in a row with segments `seq_lens` (see the module docstring); computed on
+    the host from the segment lengths, with no device read."""
+    total = sum(seq_lens)
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    doc = np.repeat(np.arange(len(lens)), lens)
+    doc_start = np.repeat(np.cumsum(lens) - lens, lens)
+    local = shard.index(total).numpy()
+    breaks = np.flatnonzero((np.diff(local) != 1) | (np.diff(doc[local]) != 0)) + 1
+    bounds = np.concatenate([[0], breaks, [len(local)]])
+    first, last = local[bounds[:-1]], local[bounds[1:] - 1]
+    starts = doc_start[first]
+    q_lens, k_lens = np.diff(bounds), last + 1 - starts
+    key_index = np.concatenate([np.arange(a, b + 1) for a, b in zip(starts, last, strict=True)])
+    cu = lambda n: torch.from_numpy(np.concatenate([[0], np.cumsum(n)]).astype(np.int32))  # noqa: E731
+    return VarlenLayout(cu(q_lens), cu(k_lens), torch.from_numpy(key_index), int(q_lens.max()), int(k_lens.max()))
+
+
 class _GatherRow(torch.autograd.Function):
     """All-gather along the token dimension; backward sums each rank's gradient slice back to its owner."""
 
@@ -85,13 +127,17 @@ def gather_row(x: Tensor, shard: ContextShard) -> Tensor:
     return _GatherRow.apply(x, shard)  # type: ignore[no-any-return]
 
 
+def _positions(doc_ids: Tensor, shard: ContextShard) -> tuple[Tensor, Tensor]:
+    """Row positions of this rank's queries and of the gathered keys, on the device of `doc_ids`."""
+    total = doc_ids.numel()
+    return shard.index(total).to(doc_ids.device), shard.gathered_index(total).to(doc_ids.device)
+
+
 def context_mask(doc_ids: Tensor, shard: ContextShard, cache: dict[str, object]) -> Tensor:
     """Boolean [T / cp, T]: local query i may attend gathered key j (same document, not after it in the row)."""
     dense = cache.get("cp_dense")
     if dense is None:
-        total = doc_ids.numel()
-        q_pos = shard.index(total).to(doc_ids.device)
-        k_pos = shard.gathered_index(total).to(doc_ids.device)
+        q_pos, k_pos = _positions(doc_ids, shard)
         dense = (doc_ids[q_pos][:, None] == doc_ids[k_pos][None, :]) & (k_pos[None, :] <= q_pos[:, None])
         cache["cp_dense"] = dense
     return dense  # type: ignore[return-value]
@@ -102,25 +148,43 @@ def _flex_mask(doc_ids: Tensor, shard: ContextShard, cache: dict[str, object]) -
     if block is None:
         from torch.nn.attention.flex_attention import create_block_mask
 
-        total = doc_ids.numel()
-        q_pos = shard.index(total).to(doc_ids.device)
-        k_pos = shard.gathered_index(total).to(doc_ids.device)
+        q_pos, k_pos = _positions(doc_ids, shard)
 
         def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             qp, kp = q_pos[q_idx], k_pos[kv_idx]
             return (doc_ids[qp] == doc_ids[kp]) & (kp <= qp)
 
-        block = create_block_mask(document_causal, None, None, len(q_pos), total, device=doc_ids.device)
+        block = create_block_mask(document_causal, None, None, len(q_pos), len(k_pos), device=doc_ids.device)
         cache["cp_flex"] = block
     return block
 
 
 @torch.compiler.disable
-def context_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor, shard: ContextShard,
-                      cache: dict[str, object]) -> Tensor:  # fmt: skip
+def context_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
     """Attention of this rank's queries [T / cp, Hq, D] over the whole row's keys and values, gathered from the
-    CP group (`k`, `v` [T / cp, Hkv, D] are this rank's); `doc_ids` [T] is the whole row's segment index."""
+    CP group (`k`, `v` [T / cp, Hkv, D] are this rank's); `mask` describes the whole row, and its `shard` this
+    rank's part of it."""
+    shard, doc_ids, cache = mask.shard, mask.doc_ids, mask.cache
+    assert shard is not None, "context_attention runs under context parallelism only"
     kv = gather_row(torch.cat([k, v], dim=1), shard)  # one collective for both
+    if shard.kernel in ("varlen", "flash"):
+        layout = cache.get("cp_varlen")
+        if layout is None:
+            layout = varlen_layout(mask.seq_lens, shard)
+            # gathered (rank order) -> packed keys: one index, moved to the device once per forward
+            rank_order = shard.gathered_index(mask.total)
+            to_gathered = torch.empty_like(rank_order)
+            to_gathered[rank_order] = torch.arange(len(rank_order))
+            index = to_gathered[layout.key_index].to(q.device)
+            layout = (layout, index, layout.cu_q.to(q.device), layout.cu_k.to(q.device))
+            cache["cp_varlen"] = layout
+        plan, index, cu_q, cu_k = layout  # type: ignore[misc]
+        packed = kv[index]
+        k_packed, v_packed = packed.split([k.shape[1], v.shape[1]], dim=1)
+        from lmforge.model.attention import flash_call, varlen_call
+
+        call = flash_call if shard.kernel == "flash" else varlen_call
+        return call(q, k_packed, v_packed, cu_q, cu_k, plan.max_q, plan.max_k)
     k_all, v_all = kv.split([k.shape[1], v.shape[1]], dim=1)
     gqa = q.shape[1] != k.shape[1]
     qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k_all, v_all))

@@ -99,10 +99,7 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
         """x [T, hidden] -> [T, hidden]."""
         q, k, v = self.qkv(x, cos, sin)
-        if mask.shard is not None:
-            out = context_attention(q, k, v, mask.doc_ids, mask.shard, mask.cache)
-        else:
-            out = self.attention(q, k, v, mask)
+        out = self.attention(q, k, v, mask) if mask.shard is None else context_attention(q, k, v, mask)
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 

@@ -13,6 +13,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from lmforge.config.model import ModelConfig
+from lmforge.model.attention import resolve_backend
+from lmforge.model.context_parallel import CP_KERNELS
 from lmforge.parallel.process_group import DistContext
 
 
@@ -24,14 +26,16 @@ def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def context_kernel(attn: str, device: torch.device) -> str:
-    """The attention kernel under context parallelism for `model.attn`: flex attention for `flex` (and for `auto`
-    on CUDA), SDPA with an explicit mask for `sdpa` (and `auto` on the CPU); the varlen kernels and `sdpa_loop`
-    take no split row (refused when the config is checked)."""
-    if attn == "flex" or (attn == "auto" and device.type == "cuda"):
-        return "flex"
-    if attn in ("sdpa", "auto"):
-        return "sdpa"
-    raise ValueError(f"model.attn = {attn!r} does not run under context parallelism; use auto, sdpa or flex")
+    """The attention kernel under context parallelism for `model.attn`: the backend it names, or for `auto` the one
+    `auto` resolves to that takes a split row (a varlen kernel, else flex attention, on CUDA; SDPA with an explicit
+    mask on the CPU). `sdpa_loop` takes no split row (refused when the config is checked)."""
+    name = resolve_backend(attn, device)
+    if name == "auto":
+        name = "flex" if device.type == "cuda" else "sdpa"
+    if name not in CP_KERNELS:
+        raise ValueError(f"model.attn = {attn!r} does not run under context parallelism; use one of "
+                         f"auto, {', '.join(CP_KERNELS)}")  # fmt: skip
+    return name
 
 
 def fsdp_wraps(cfg: ModelConfig, ctx: DistContext) -> bool:
