@@ -113,11 +113,11 @@ class _GatherRow(torch.autograd.Function):
         shard: ContextShard = ctx.shard  # type: ignore[attr-defined]
         grad = grad.contiguous()
         local = grad.shape[0] // shard.size
-        if dist.get_backend(shard.group) == "nccl":
+        if grad.is_cuda:  # NCCL
             out = torch.empty((local, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
             dist.reduce_scatter_tensor(out, grad, group=shard.group)
             return out, None
-        # gloo has no reduce-scatter: sum everything, keep this rank's slice.
+        # gloo (CPU tensors) has no reduce-scatter: sum everything, keep this rank's slice.
         dist.all_reduce(grad, group=shard.group)
         return grad[shard.rank * local : (shard.rank + 1) * local].clone(), None
 
