@@ -161,3 +161,56 @@ def test_each_bad_layout_has_its_message() -> None:
         "model.moe_balance.seq_aux_coeff": "the sequence-wise balance loss does not run under parallel.cp > 1 yet (a "
         "segment's tokens are spread over the CP group)",
     }
+
+
+def _kernel_check(kernel: str, device: str, dtype: torch.dtype, atol: float, backward: bool) -> None:
+    """Every rank's part of CP attention, computed in one process from the keys and values its group would gather,
+    against document-masked attention over the whole row: outputs, the queries' gradients, and the keys' and
+    values' gradients summed over the ranks."""
+    from lmforge.model.context_parallel import attend_gathered
+
+    dev = torch.device(device)
+    q, k, v, grad = (x.to(dev, dtype) for x in _inputs())
+    ref_in = [x.clone().requires_grad_(backward) for x in (q, k, v)]
+    mask = DocumentMask.from_seq_lens(torch.tensor(SEQ_LENS), dev)
+    ref = sdpa_attention(*ref_in, mask)
+    if backward:
+        ref.backward(grad)
+    for size in (2, 4):
+        dkv = torch.zeros(T, 2 * HKV, D, device=dev, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        for rank in range(size):
+            shard = ContextShard(None, rank, size, kernel)
+            index, gathered = shard.index(T).to(dev), shard.gathered_index(T).to(dev)
+            local_q = q[index].clone().requires_grad_(backward)
+            kv = torch.cat([k, v], dim=1)[gathered].clone().requires_grad_(backward)
+            part = DocumentMask.from_seq_lens(torch.tensor(SEQ_LENS), dev)
+            part.shard = shard
+            out = attend_gathered(local_q, kv, HKV, part)
+            torch.testing.assert_close(out.float(), ref[index].float(), atol=atol, rtol=0)
+            if backward:
+                out.backward(grad[index])
+                torch.testing.assert_close(local_q.grad.float(), ref_in[0].grad[index].float(), atol=atol, rtol=0)
+                dkv[gathered] += kv.grad.to(dkv.dtype)
+        if backward:
+            torch.testing.assert_close(dkv[:, :HKV], ref_in[1].grad.to(dkv.dtype), atol=atol, rtol=0)
+            torch.testing.assert_close(dkv[:, HKV:], ref_in[2].grad.to(dkv.dtype), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "varlen", "flex"])
+def test_each_ranks_part_on_the_cpu(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lmforge.model.attention as attention
+
+    monkeypatch.setattr(attention, "varlen_call", bottom_right_varlen)  # the CUDA kernel's semantics, on the CPU
+    _kernel_check(kernel, "cpu", torch.float64, atol=1e-10, backward=kernel != "flex")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["sdpa", "flex", "varlen", "flash"])
+def test_each_ranks_part_on_cuda_bf16(kernel: str) -> None:
+    """The CUDA kernels themselves under the CP layout (flex's block mask, the varlen kernels' bottom-right
+    alignment over packed pieces)."""
+    from lmforge.model.attention import backend_available
+
+    if not backend_available(kernel, torch.device("cuda")):
+        pytest.skip(f"{kernel} not available here")
+    _kernel_check(kernel, "cuda", torch.bfloat16, atol=2e-2, backward=True)

@@ -164,9 +164,16 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Te
     """Attention of this rank's queries [T / cp, Hq, D] over the whole row's keys and values, gathered from the
     CP group (`k`, `v` [T / cp, Hkv, D] are this rank's); `mask` describes the whole row, and its `shard` this
     rank's part of it."""
+    assert mask.shard is not None, "context_attention runs under context parallelism only"
+    kv = gather_row(torch.cat([k, v], dim=1), mask.shard)  # one collective for both
+    return attend_gathered(q, kv, k.shape[1], mask)
+
+
+def attend_gathered(q: Tensor, kv: Tensor, kv_heads: int, mask: DocumentMask) -> Tensor:
+    """This rank's queries [T / cp, Hq, D] over the gathered keys and values `kv` [T, 2 x kv_heads, D] (every
+    rank's, in rank order, keys before values along the head dimension), with the kernel of `mask.shard`."""
     shard, doc_ids, cache = mask.shard, mask.doc_ids, mask.cache
-    assert shard is not None, "context_attention runs under context parallelism only"
-    kv = gather_row(torch.cat([k, v], dim=1), shard)  # one collective for both
+    assert shard is not None, "attend_gathered runs under context parallelism only"
     if shard.kernel in ("varlen", "flash"):
         layout = cache.get("cp_varlen")
         if layout is None:
@@ -179,14 +186,13 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Te
             layout = (layout, index, layout.cu_q.to(q.device), layout.cu_k.to(q.device))
             cache["cp_varlen"] = layout
         plan, index, cu_q, cu_k = layout  # type: ignore[misc]
-        packed = kv[index]
-        k_packed, v_packed = packed.split([k.shape[1], v.shape[1]], dim=1)
+        k_packed, v_packed = kv[index].split([kv_heads, kv_heads], dim=1)
         from lmforge.model.attention import flash_call, varlen_call
 
         call = flash_call if shard.kernel == "flash" else varlen_call
         return call(q, k_packed, v_packed, cu_q, cu_k, plan.max_q, plan.max_k)
-    k_all, v_all = kv.split([k.shape[1], v.shape[1]], dim=1)
-    gqa = q.shape[1] != k.shape[1]
+    k_all, v_all = kv.split([kv_heads, kv_heads], dim=1)
+    gqa = q.shape[1] != kv_heads
     qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k_all, v_all))
     if shard.kernel == "flex":
         from torch.nn.attention.flex_attention import flex_attention
