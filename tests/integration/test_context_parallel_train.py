@@ -64,8 +64,11 @@ def test_validation_under_cp_equals_one_process(tmp_path: Path) -> None:
     val = ["--tokenizer.name", str(tok), "--val.seq-lens", "[16, 64]", "--val.data-dir", str(sets), "--val.sets",
            f'[{{name = "held", path = "{tmp_path / "heldout"}"}}, "words", "quiz", "minimal", '
            '{name = "words_h", convention = "lmeval"}]']  # fmt: skip
-    _train(cfg, tmp_path / "one", 1, 1, *val)
-    _train(cfg, tmp_path / "cp2", 2, 2, *val)
+    _train(cfg, tmp_path / "one", 1, 1, *val, "--val.save-arrays")
+    _train(cfg, tmp_path / "cp2", 2, 2, *val, "--val.save-arrays")
+    for name in ("quiz@64.npz", "words_h@16.npz"):  # written once per CP group, with the same scores
+        one, two = (np.load(tmp_path / run / "val_arrays" / "step_2" / name) for run in ("one", "cp2"))
+        np.testing.assert_allclose(two["loglik"], one["loglik"], rtol=0, atol=1e-5)
     (want,) = [r for r in read_metrics(tmp_path / "one" / "metrics.jsonl") if "time/val" in r]
     (got,) = [r for r in read_metrics(tmp_path / "cp2" / "metrics.jsonl") if "time/val" in r]
     # lmforge eval scores the snapshots of a CP run under CP too (2 processes: one CP group)

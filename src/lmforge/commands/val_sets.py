@@ -59,6 +59,5 @@ def main(argv: list[str]) -> int:
             written = write_val_set(args.input, args.kind, args.output, args.name, args.delimiter or "")
     except ConvertError as e:
         return fail("val-sets", str(e))
-    kind = written.path.name.removesuffix(".jsonl").rpartition(".")[2]
-    print(f"val-sets: {written.items} {kind} items -> {written.path}")
+    print(f"val-sets: {written.items} {written.kind} items -> {written.path}")
     return 0

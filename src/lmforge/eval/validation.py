@@ -281,9 +281,10 @@ class Validator:
             self.choices[(evs.name, seq_len)] = _RequestRows(evs, "lmeval", fitted, rows)
 
     def arrays_dir(self, run_dir: Path, step: int) -> Path | None:
-        """Where rank 0 writes the per-choice (or, for ppl sets under the lmeval convention, per-text) scores of
-        step `step` (None: `val.save_arrays` off, no such set, or another rank)."""
-        if not self.cfg.save_arrays or not self.choices or self.rank != 0:
+        """Where the first rank writes the per-choice (or, for ppl sets under the lmeval convention, per-text)
+        scores of step `step` (None: `val.save_arrays` off, no such set, or another rank: every rank of a CP group
+        holds the same scores, and only one may write them)."""
+        if not self.cfg.save_arrays or not self.choices or self.rank != 0 or self.shard.rank != 0:
             return None
         return Path(run_dir) / "val_arrays" / f"step_{step}"
 

@@ -85,6 +85,8 @@ class ValSetFile:
     """`OUTPUT/NAME.KIND.jsonl`."""
     items: int
     """Rows written, one per input row."""
+    kind: str
+    """The kind of set written (`ppl`, `ctxcont` or `pairs`)."""
 
 
 def check_set_name(name: str) -> str:
@@ -104,7 +106,7 @@ def write_rows(rows: list[dict[str, Any]], kind: str, output: Path, name: str) -
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     os.replace(tmp, out)
-    return ValSetFile(out, len(rows))
+    return ValSetFile(out, len(rows), kind)
 
 
 def write_val_set(
