@@ -39,8 +39,9 @@ class AdamWConfig(_OptimFields):
 
 
 class MuonConfig(_OptimFields):
-    """`optim.type = "muon"`: Muon for the 2-D matrices inside the blocks, AdamW for everything else (embeddings,
-    LM head, norms, biases, and any parameter `adamw_params` names); see docs/training.md#optimizers."""
+    """`optim.type = "muon"`: Muon for the 2-D matrices inside the blocks and (per expert) the MoE routed experts,
+    AdamW for everything else (embeddings, LM head, norms, biases, routers, and any parameter `adamw_params` names);
+    see docs/training.md#optimizers."""
 
     type: Literal["muon"] = "muon"
     """Optimizer: Muon with AdamW groups."""
@@ -63,6 +64,10 @@ class MuonConfig(_OptimFields):
     adjust_lr: Literal["spectral", "match_adamw_rms"] = "match_adamw_rms"
     """Per-shape learning-rate factor of an (A, B) matrix: `spectral` = sqrt(max(1, A / B)); `match_adamw_rms` =
     0.2 sqrt(max(A, B)), which gives updates of AdamW's typical RMS so the AdamW learning rate carries over."""
+
+    muon_experts: bool = True
+    """Muon trains the MoE routed experts' 3-D weight stacks (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`),
+    orthogonalizing each expert's matrix on its own; false: AdamW trains them."""
 
     adamw_params: list[str] = Field(default_factory=list)
     """Glob patterns of parameter names (e.g. `*.self_attn.q_proj.weight`) that AdamW trains instead of Muon."""

@@ -14,9 +14,9 @@ down_proj); expert_hidden / expert_out: the same two kinds for the routed expert
 embed: token embedding; head: LM head; norm: norm scales; bias: biases."""
 
 MATRIX_ROLES = frozenset({"hidden", "residual_out"})
-"""The 2-D matrices inside the blocks (Muon's share of the model). The routed experts are 3-D and stay with AdamW
-until Muon orthogonalizes per expert; the router stays with AdamW too, as small, precision-sensitive routers
-usually are."""
+"""The 2-D matrices inside the blocks (Muon's share of the model). The routed experts' 3-D stacks join them per
+expert unless `optim.muon_experts` is false (`lmforge.optim.EXPERT_ROLES`); the router stays with AdamW, as small,
+precision-sensitive routers usually are."""
 
 DECAYED_ROLES = frozenset({"hidden", "residual_out", "expert_hidden", "expert_out", "router", "embed", "head"})
 """Roles that take weight decay (every matrix)."""

@@ -17,7 +17,11 @@ from lmforge.model.completep import STANDARD, RoleScale
 from lmforge.optim.groups import DECAYED_ROLES, MATRIX_ROLES, params_by_role
 from lmforge.optim.schedule import wsd_multiplier
 
-__all__ = ["OptimizerStep", "Optimizers", "build_optimizer", "set_lr_multiplier", "wsd_multiplier"]
+__all__ = ["EXPERT_ROLES", "OptimizerStep", "Optimizers", "build_optimizer", "set_lr_multiplier", "wsd_multiplier"]
+
+EXPERT_ROLES = frozenset({"expert_hidden", "expert_out"})
+"""The routed experts' 3-D stacks [E, A, B], which Muon orthogonalizes per expert unless `optim.muon_experts` is
+false."""
 
 
 @dataclass
@@ -35,8 +39,8 @@ class OptimizerStep:
 
 
 class Optimizers:
-    """The run's optimizers acting as one: Muon for the block matrices plus AdamW for the rest, or AdamW alone,
-    with the learning-rate schedule and gradient clipping that drive them.
+    """The run's optimizers acting as one: Muon for the block matrices (and expert stacks) plus AdamW for the rest,
+    or AdamW alone, with the learning-rate schedule and gradient clipping that drive them.
 
     `param_groups` lists every group of every optimizer (the dicts themselves, so changes apply); each group has
     a `name` (its role) and its peak learning rate in `base_lr`. The schedule runs from `schedule_start` (0, or the
@@ -132,8 +136,9 @@ def build_optimizer(
     max_steps: int = 1,
 ) -> Optimizers:
     """Groups by parameter role, each with its learning rate, weight decay and eps times the role's `scale`
-    (CompleteP; 1 otherwise). Muon takes the matrix roles (minus `adamw_params`), AdamW the rest. With
-    `schedule`, `Optimizers.update` follows it over `max_steps`; clipping uses `cfg.max_norm`."""
+    (CompleteP; 1 otherwise). Muon takes the matrix roles and, with `cfg.muon_experts`, the expert stacks (minus
+    `adamw_params`, whose groups are named `<role>_adamw`), AdamW the rest. With `schedule`, `Optimizers.update`
+    follows it over `max_steps`; clipping uses `cfg.max_norm`."""
     by_role = params_by_role(model)
     adamw_lr = (cfg.adamw_lr or cfg.lr) if isinstance(cfg, MuonConfig) else cfg.lr
     muon_groups: list[dict[str, Any]] = []
@@ -141,7 +146,7 @@ def build_optimizer(
     for role, named in by_role.items():
         s = scale(role)
         decay = cfg.weight_decay if role in DECAYED_ROLES else 0.0
-        if isinstance(cfg, MuonConfig) and role in MATRIX_ROLES:
+        if isinstance(cfg, MuonConfig) and (role in MATRIX_ROLES or (cfg.muon_experts and role in EXPERT_ROLES)):
             moved = [(n, p) for n, p in named if any(fnmatch.fnmatchcase(n, pat) for pat in cfg.adamw_params)]
             kept = [(n, p) for n, p in named if (n, p) not in moved]
             if kept:

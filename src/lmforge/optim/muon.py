@@ -1,9 +1,12 @@
-"""Muon: momentum orthogonalized by Newton–Schulz, for 2-D matrices held whole or sharded by FSDP2.
+"""Muon: momentum orthogonalized by Newton–Schulz, for 2-D matrices and 3-D stacks of them (MoE expert weights
+[E, A, B], orthogonalized per expert), held whole or sharded by FSDP2.
 
 The update follows `torch.optim.Muon` (same momentum, Nesterov, normalization and learning-rate scaling), so a
-single-process step equals torch's up to float rounding. What this module adds is FSDP2 awareness: Newton–Schulz
-is not elementwise, so running it on a rank's row shard gives a different (wrong) update. Instead each matrix is
-orthogonalized once, whole, by one owner rank, and every rank gets its rows of the result back (see `Muon`).
+single-process step equals torch's up to float rounding; a stack's step equals one torch Muon per expert. What this
+module adds is FSDP2 awareness: Newton–Schulz is not elementwise, so running it on a rank's row shard gives a
+different (wrong) update. Instead each matrix is orthogonalized once, whole, by one owner rank, and every rank gets
+its rows of the result back. Expert stacks are split along experts, so each rank orthogonalizes its own whole
+experts where they are (see `Muon`).
 """
 
 from __future__ import annotations
@@ -54,33 +57,44 @@ def newton_schulz(
     coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
     eps: float = 1e-7,
 ) -> Tensor:
-    """Approximately orthogonalize the 2-D matrix `g` (push its singular values towards 1) with a quintic iteration.
+    """Approximately orthogonalize the matrix `g` [A, B], or each matrix of a batch [..., A, B] (push its singular
+    values towards 1), with a quintic iteration.
 
-    `g` is divided by its Frobenius norm (clamped below at `eps`, as torch does, so a zero matrix maps to zero), which
-    bounds the spectral norm by 1; then `steps` rounds of `X <- a X + (b X X^T + c (X X^T)^2) X` follow. A tall
-    matrix is iterated transposed so the Gram matrix is the smaller square. With the default coefficients the
-    singular values end in a band around 1, not at 1 (about 0.68–1.13 after 5 steps for random matrices), which is
-    the intended trade of accuracy for fewer steps.
+    Each matrix is divided by its own Frobenius norm (clamped below at `eps`, as torch does, so a zero matrix maps to
+    zero), which bounds its spectral norm by 1; then `steps` rounds of `X <- a X + (b X X^T + c (X X^T)^2) X` follow.
+    Tall matrices (A > B) are iterated transposed so the Gram matrix is the smaller square. A batch runs as one chain
+    of batched matmuls and gives each matrix what a call on that matrix alone gives, up to float rounding; an empty
+    batch gives an empty result. With the default coefficients the singular values end in a band around 1, not at 1
+    (about 0.68–1.13 after 5 steps for random matrices), which is the intended trade of accuracy for fewer steps.
 
     The iteration runs in bfloat16 on CUDA (fast tensor-core matmuls, as torch does) and in float32 elsewhere (CPU
-    bfloat16 matmuls are slow, and float32 keeps results comparable to a float tolerance). The norm is always taken
-    in float32. Returns a new tensor of `g`'s shape and dtype; `g` is not modified.
+    bfloat16 matmuls are slow, and float32 keeps results comparable to a float tolerance). The norms are always
+    taken in float32. Returns a new tensor of `g`'s shape and dtype; `g` is not modified.
     """
-    if g.ndim != 2:
-        raise ValueError(f"newton_schulz needs a 2-D matrix, got shape {tuple(g.shape)}")
+    if g.ndim < 2:
+        raise ValueError(f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(g.shape)}")
     if len(coefficients) != 3:
         raise ValueError(f"newton_schulz needs 3 coefficients (a, b, c), got {coefficients!r}")
     a, b, c = coefficients
     compute_dtype = torch.bfloat16 if g.is_cuda else torch.float32
-    tall = g.size(0) > g.size(1)
-    x = g.T if tall else g
-    norm = torch.linalg.vector_norm(x, dtype=torch.float32).clamp(min=eps)
-    x = (x / norm).to(compute_dtype)
+    tall = g.size(-2) > g.size(-1)
+    x = g.mT if tall else g
+    if g.ndim == 2:
+        norm = torch.linalg.vector_norm(x, dtype=torch.float32)
+        multiply_add = torch.addmm
+    else:
+        # one batch dimension, so that baddbmm runs the whole stack in one call
+        x = x.flatten(0, -3)
+        norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+        multiply_add = torch.baddbmm
+    x = (x / norm.clamp(min=eps)).to(compute_dtype)
     for _ in range(steps):
-        gram = x @ x.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, poly, x, beta=a)
-    return (x.T if tall else x).to(g.dtype)
+        gram = x @ x.mT
+        poly = multiply_add(gram, gram, gram, beta=b, alpha=c)
+        x = multiply_add(x, poly, x, beta=a)
+    if g.ndim > 3:
+        x = x.unflatten(0, g.shape[:-2])
+    return (x.mT if tall else x).to(g.dtype)
 
 
 def _local(t: Tensor) -> Tensor:
@@ -89,10 +103,21 @@ def _local(t: Tensor) -> Tensor:
 
 
 def _shard_group(p: Tensor) -> dist.ProcessGroup | None:
-    """The process group over whose ranks `p`'s rows are split, or None when this rank holds the whole matrix."""
+    """The process group over whose ranks a 2-D matrix's rows are split, or None when this rank's part can be
+    orthogonalized where it is: a whole matrix, or the whole experts of a 3-D stack."""
     if DTensor is None or not isinstance(p, DTensor):
         return None
     mesh = p.device_mesh
+    if p.ndim == 3:
+        # split along experts, every rank's shard holds whole experts, so per-expert Muon needs no collective (and
+        # no assumption about which ranks the mesh spans: expert parallelism puts stacks on their own mesh)
+        if not all(pl.is_replicate() or pl.is_shard(0) for pl in p.placements):
+            raise NotImplementedError(
+                f"Muon orthogonalizes a 3-D expert stack per expert, on each rank's own experts, so the stack must "
+                f"be split along dim 0 (Shard(0), FSDP2's default) or replicated; got placements {p.placements} "
+                f"on a {mesh.ndim}-D mesh for a parameter of shape {tuple(p.shape)}"
+            )
+        return None
     if mesh.size() == 1 or all(pl.is_replicate() for pl in p.placements):
         return None
     if mesh.ndim != 1 or p.placements[0] != Shard(0):
@@ -124,7 +149,8 @@ class _Matrix:
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for 2-D matrices (plain tensors or FSDP2 DTensors sharded `Shard(0)`), matching `torch.optim.Muon`.
+    """Muon for 2-D matrices and 3-D expert stacks (plain tensors or FSDP2 DTensors sharded `Shard(0)`), matching
+    `torch.optim.Muon` (per expert for a stack).
 
     Per parameter with a gradient `g`, with momentum `m` and learning rate `lr`:
 
@@ -137,6 +163,11 @@ class Muon(torch.optim.Optimizer):
       `p <- p - lr * scale(A, B) * O` with `scale` from `ADJUST_LR` for the parameter's full shape (A, B):
       `"spectral"` is `sqrt(max(1, A / B))` (torch's `"original"`), `"match_adamw_rms"` is `0.2 * sqrt(max(A, B))`
       (torch's `"match_rms_adamw"`).
+
+    Expert stacks: a 3-D parameter [E, A, B] is E independent [A, B] matrices. The momentum is elementwise as above;
+    each expert's [A, B] slice of `u` is orthogonalized exactly once, on its own (its own Frobenius norm, transposed
+    when tall), all E in one batched Newton–Schulz; `scale(A, B)` and the decay are as for one [A, B] matrix. The
+    step equals E separate `torch.optim.Muon` instances, one per expert.
 
     All constructor arguments are group hyperparameters; a param group may override any of them.
 
@@ -151,7 +182,14 @@ class Muon(torch.optim.Optimizer):
     each rank applies its own rows. The exchange buffers hold about one sharded copy of the matrices per rank.
     Plain tensors, meshes of one rank and replicated DTensors take the local path, with no collectives. The
     collectives run on the device of the local shards, which the group's backend must support (so FSDP2's CPU
-    offload under NCCL is not supported). Of sharded layouts only `Shard(0)` over a 1-D mesh is supported; others raise.
+    offload under NCCL is not supported). Of sharded matrix layouts only `Shard(0)` over a 1-D mesh is supported;
+    others raise.
+
+    Sharded expert stacks: FSDP2 splits a stack along dim 0, so each rank's shard holds whole experts (after a
+    `torch.chunk` split, possibly none). Each rank runs the batched Newton–Schulz on its local experts and its own
+    part of the momentum buffer, with no collectives and whatever mesh the stack lives on (such as an expert-parallel
+    subgroup); a rank holding no experts runs it on an empty batch. Every placement of a stack must be `Shard(0)` or
+    `Replicate()`; others (e.g. `Shard(1)`, which would split experts) raise.
     """
 
     def __init__(
@@ -179,7 +217,8 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group as torch does, then check its hyperparameters and that every parameter is a 2-D matrix."""
+        """Add a group as torch does, then check its hyperparameters and that every parameter is a 2-D matrix or a
+        3-D stack of them."""
         super().add_param_group(param_group)
         try:
             _check_group(self.param_groups[-1])
@@ -211,7 +250,8 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _momentum_direction(self, p: Tensor, group: dict[str, Any]) -> Tensor:
-        """Update the momentum buffer and return the direction `u` to orthogonalize, both as this rank's rows."""
+        """Update the momentum buffer and return the direction `u` to orthogonalize, both as this rank's rows (of a
+        stack: its experts)."""
         if p.grad.is_sparse or torch.is_complex(p):
             raise RuntimeError(f"Muon supports dense real gradients only (parameter of shape {tuple(p.shape)})")
         state = self.state[p]
@@ -295,7 +335,7 @@ def _apply_update(work: _Matrix, ortho_rows: Tensor) -> None:
     """Decoupled weight decay, then the scaled orthogonalized step, on this rank's rows of the parameter."""
     group = work.group
     lr = float(group["lr"])
-    rows, cols = work.param.shape
+    rows, cols = work.param.shape[-2:]  # for an expert stack, each expert's shape
     p = _local(work.param)
     if group["weight_decay"]:
         p.mul_(1 - lr * group["weight_decay"])
@@ -303,10 +343,13 @@ def _apply_update(work: _Matrix, ortho_rows: Tensor) -> None:
 
 
 def _check_group(group: dict[str, Any]) -> None:
-    """Reject hyperparameters Muon cannot use and parameters that are not 2-D matrices."""
+    """Reject hyperparameters Muon cannot use and parameters that are neither matrices nor stacks of them."""
     for p in group["params"]:
-        if p.ndim != 2:
-            raise ValueError(f"Muon only optimizes 2-D matrices, got a parameter of shape {tuple(p.shape)}")
+        if p.ndim not in (2, 3):
+            raise ValueError(
+                f"Muon optimizes 2-D matrices and 3-D stacks of them [E, A, B], got a parameter of shape "
+                f"{tuple(p.shape)}"
+            )
     if not float(group["lr"]) >= 0:
         raise ValueError(f"Muon: lr must be >= 0, got {group['lr']}")
     if not 0 <= group["momentum"] < 1:
