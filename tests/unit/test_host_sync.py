@@ -192,6 +192,9 @@ CASES: dict[str, Any] = {
 LOOP_READ = "Tensor.tolist at src/lmforge/model/moe.py"
 """The one host read the checks expect: the per-expert `loop` reference reads the expert sizes (see `Experts`)."""
 
+EP_READ = "Tensor.tolist at src/lmforge/model/expert_parallel.py"
+"""The expert-parallel dispatch's one host read: the exchange sizes `all_to_all_single` takes as host ints."""
+
 
 def build(config: TrainConfig, ctx: DistContext, case: str) -> Trainer:
     """The case's trainer; `moe-loop` runs its experts through the per-expert loop (a known host read, which shows
@@ -267,6 +270,20 @@ def _two_rank_worker(rank: int, port: int, tmp: str) -> None:
     ctx = init_distributed(timeout_minutes=2)
     found: dict[str, list[str]] = {}
     tmp_path = Path(tmp)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        # Expert parallelism: exactly one host read per MoE block forward, the dispatch's exchange sizes.
+        overrides = {"model": {"arch": tiny_glm().model_dump()}, "parallel": {"ep": 2}}
+        trainer = build(_config(tmp_path / "ep", **overrides), init_distributed(timeout_minutes=2, ep=2), "moe-ep")
+        forwards = []
+        for module in trainer.model.modules():
+            if isinstance(module, Experts):
+                module.register_forward_hook(lambda *_: forwards.append(1))
+        detector, names = run_checked(trainer, monkeypatch)
+        ep_reads = reads(detector)
+        found["moe-ep"] = [r for r in ep_reads if not r.startswith(EP_READ)] + (
+            ["no step"] * ("loss/mean" not in names)
+        )
+        found["moe-ep"] += [f"{len(ep_reads)} reads in {len(forwards)} MoE forwards"] * (len(ep_reads) != len(forwards))
     cases = {
         "dense": {"model": {"arch": tiny_llama().model_dump(), "param_dtype": "bfloat16"}},
         "dense-deferred": {"model": {"arch": tiny_llama().model_dump(), "defer_grad_sync": True}},
@@ -287,5 +304,7 @@ def _two_rank_worker(rank: int, port: int, tmp: str) -> None:
 def test_two_processes_with_fsdp_never_read_the_device(tmp_path: Path) -> None:
     results = run_ranks(_two_rank_worker, (free_port(), str(tmp_path)), tmp_path, timeout=240)
     for rank, found in enumerate(results):
-        assert set(found) == {"dense", "dense-deferred", "moe-grouped-deferred", "moe-loop", "validation"}
-        assert all(expected_reads(case, reads) for case, reads in found.items()), f"rank {rank}: {found}"
+        assert set(found) == {"dense", "dense-deferred", "moe-grouped-deferred", "moe-loop", "validation", "moe-ep"}
+        assert found["moe-ep"] == [], f"rank {rank}: {found['moe-ep']}"
+        checked = {case: reads for case, reads in found.items() if case != "moe-ep"}
+        assert all(expected_reads(case, reads) for case, reads in checked.items()), f"rank {rank}: {found}"

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lmforge.model import build_model
+from lmforge.model.config import Glm4MoeArch
 from lmforge.model.init import ROWS_PER_BLOCK, init_weights, normal_rows
 from tests.conftest import tiny_llama
 from tests.integration.runner import cli_command, env_one_thread
@@ -49,6 +50,39 @@ def test_world_size_one_and_two_give_bitwise_identical_weights(tmp_path: Path) -
         assert got.keys() == expected.keys()
         for name, tensor in got.items():
             assert torch.equal(tensor, expected[name]), f"{path}: {name}"
+
+
+def _expert_reference(name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
+    """A whole expert stack drawn expert by expert, each expert's matrix in row blocks under its own name."""
+    return torch.stack([normal_rows(f"{name}[{e}]", shape[1:], 0, shape[1], std, seed, truncate=True)
+                        for e in range(shape[0])])  # fmt: skip
+
+
+@pytest.mark.slow
+def test_expert_stacks_init_per_expert_alike_on_any_ranks_and_ep(tmp_path: Path) -> None:
+    from tests.unit.init_ranks import MOE
+
+    script = Path(__file__).with_name("init_ranks.py")
+    layouts = {"ws1": (1, 1), "ws2_ep2": (2, 2), "ws4_ep2": (4, 2)}
+    for folder, (nproc, ep) in layouts.items():
+        out = tmp_path / folder
+        out.mkdir()
+        cmd = cli_command([str(out), str(ep)], nproc=nproc, script=script)
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env_one_thread(), check=False)
+        assert result.returncode == 0, result.stderr[-3000:]
+    plain = build_model(Glm4MoeArch(**MOE), 200, "sdpa", CPU)
+    init_weights(plain, 0.02, seed=7, truncate=True)
+    expected = dict(plain.named_parameters())
+    stacks = [n for n in expected if ".experts." in n]
+    assert len(stacks) == 2
+    for name in stacks:
+        assert torch.equal(expected[name], _expert_reference(name, tuple(expected[name].shape), 0.02, 7)), name
+    for folder, (nproc, _) in layouts.items():
+        for rank in range(nproc):
+            got = torch.load(tmp_path / folder / f"rank_{rank}.pt")
+            assert got.keys() == expected.keys()
+            for name, tensor in got.items():
+                assert torch.equal(tensor, expected[name]), f"{folder} rank {rank}: {name}"
 
 
 class _Gate(nn.Module):

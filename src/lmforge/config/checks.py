@@ -15,6 +15,7 @@ def config_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
             ("data.micro_batch_tokens", f"{data.micro_batch_tokens} is not a multiple of data.seq_len ({data.seq_len})")
         )
     problems += context_problems(config, world_size)
+    problems += expert_problems(config, world_size)
     cp = config.parallel.cp
     groups = world_size // cp if world_size % cp == 0 else world_size
     per_step = data.micro_batch_tokens * groups
@@ -78,6 +79,23 @@ def context_problems(config: TrainConfig, world_size: int) -> list[tuple[str, st
     if config.model.moe_balance.seq_aux_coeff > 0:
         problems.append(("model.moe_balance.seq_aux_coeff", "the sequence-wise balance loss does not run under "
                          "parallel.cp > 1 yet (a segment's tokens are spread over the CP group)"))  # fmt: skip
+    return problems
+
+
+def expert_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str]]:
+    """What stops `parallel.ep` > 1 from working with this config and world size."""
+    ep, arch = config.parallel.ep, config.model.arch
+    if ep == 1:
+        return []
+    problems = []
+    if world_size % ep:
+        problems.append(("parallel.ep", f"{ep} does not divide the world size {world_size}"))
+    experts = getattr(arch, "n_routed_experts", None) or getattr(arch, "num_experts", None)
+    if experts is None:
+        problems.append(("parallel.ep", f"{ep} needs a mixture-of-experts model (model_type {arch.model_type!r} has "
+                         "no routed experts)"))  # fmt: skip
+    elif experts % ep:
+        problems.append(("parallel.ep", f"{ep} does not divide the {experts} routed experts per MoE block"))
     return problems
 
 

@@ -16,6 +16,13 @@ class ParallelConfig(Section):
     parallelism takes the rest: world size / cp groups, each training on rows of its own. Use it when one row
     (data.micro_batch_tokens) does not fit one device; see docs/training.md."""
 
+    ep: int = Field(default=1, ge=1)
+    """Expert-parallel degree (MoE models): each MoE block's routed experts are split over this many consecutive
+    ranks, each holding experts / ep of them, and every token copy is sent to the rank holding its expert by
+    all-to-all. The groups are carved out of all ranks (data- and context-parallel alike), so ep divides the world
+    size and the number of routed experts. Expert weights are FSDP-sharded over the world size / ep ranks holding
+    the same experts; see docs/training.md."""
+
     timeout_s: float = Field(default=300.0, gt=0)
     """Seconds a rank waits in one collective (an all-reduce, a checkpoint's agreement) for the others before it
     gives up and exits, naming the ranks that stopped answering. Raise it when one rank may legitimately work alone

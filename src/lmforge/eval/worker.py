@@ -63,9 +63,10 @@ def run_worker(run: Path, config: TrainConfig, poll_seconds: float = 10.0, lates
     from lmforge.runtime.checkpoint import SNAPSHOTS, load_model_state, step_name
     from lmforge.runtime.model_setup import build_run_model
 
-    # The run's context parallelism when this worker's world size allows it; the numbers are the same without.
-    cp = config.parallel.cp
-    ctx = init_distributed(cp=cp if env_world_size() % cp == 0 else 1)
+    # The run's context and expert parallelism when this worker's world size allows them; the numbers are the same
+    # without.
+    cp, ep = config.parallel.cp, config.parallel.ep
+    ctx = init_distributed(cp=cp if env_world_size() % cp == 0 else 1, ep=ep if env_world_size() % ep == 0 else 1)
     console = Console()
     try:
         tokenizer = load_tokenizer(config.tokenizer.name) if config.tokenizer.name else None

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lmforge.model.expert_parallel import global_view
 from lmforge.model.hf_config import HFModelError
 from lmforge.model.hf_names import checkpoint_sources, ignored_checkpoint_name, persistent_buffers
 from lmforge.model.moe import MoE
@@ -146,7 +147,8 @@ def load_hf_weights(model: nn.Module, folder: Path) -> None:
     """
     folder = Path(folder)
     files = checkpoint_files(folder)
-    targets = {**dict(model.named_parameters()), **persistent_buffers(model)}
+    # Under expert parallelism a rank's expert stacks are pieces of whole ones: name them whole, as files hold them.
+    targets = global_view({**dict(model.named_parameters()), **persistent_buffers(model)}, model)
     # A tied matrix is listed once by named_parameters; its second name may still be in the checkpoint.
     aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(targets)
     sources = checkpoint_sources(targets, set(files))

@@ -4,6 +4,10 @@ Each parameter is cut into blocks of `ROWS_PER_BLOCK` rows (dim 0); every block 
 seeded from (seed, canonical parameter name, block index). A rank holding an FSDP2 shard (a range of rows) draws
 only the blocks that overlap its rows, so no rank materializes a full parameter, and the values are the same on
 any world size and under any sharding.
+
+A stacked expert tensor [E, rows, cols] is drawn per expert: expert e's matrix is cut into row blocks of its own,
+seeded from (seed, `name[e]`, block). A rank draws only the experts it holds (its FSDP rows of its expert-parallel
+share), whatever E, the world size or `parallel.ep`.
 """
 
 from __future__ import annotations
@@ -93,6 +97,17 @@ def normal_rows(name: str, shape: tuple[int, ...], start: int, count: int, std: 
     return torch.cat(parts)
 
 
+def expert_rows(name: str, shape: tuple[int, ...], first: int, count: int, std: float, seed: int,
+                truncate: bool = False) -> Tensor:  # fmt: skip
+    """Experts [first, first + count) of the stacked expert parameter `name` whose experts have `shape`
+    ([rows, cols]), each drawn block by block under its own name `name[e]`."""
+    if count == 0:
+        return torch.empty((0, *shape))
+    return torch.stack(
+        [normal_rows(f"{name}[{e}]", shape, 0, shape[0], std, seed, truncate) for e in range(first, first + count)]
+    )
+
+
 def reset_buffers(model: nn.Module) -> None:
     """Give every buffer of `model` its fresh-init value: each module that owns buffers with state (an MoE block's
     selection bias and statistics) declares a `reset_buffers()`; buffers of other modules are computed on the fly."""
@@ -113,7 +128,8 @@ def init_weights(
     """Initialize every parameter, plain or FSDP2-sharded, in place: N(0, std x std_scale(name)) for matrices,
     stacked expert matrices and embeddings (truncated at 3 std if asked; `std_scales` multiplies a parameter's std,
     e.g. for CompleteP), 1 for norm scales, 0 for biases; only this rank's rows are drawn (an expert stack's rows
-    are its experts). Buffers are reset too: an MoE selection bias starts at zero."""
+    are its experts, each drawn on its own: `expert_rows`). Buffers are reset too: an MoE selection bias starts at
+    zero."""
     rules = declared_init_rules(model)
     for name, param in model.named_parameters():
         role = init_role(name, param, rules)
@@ -124,5 +140,12 @@ def init_weights(
             local.zero_()
         else:
             scale = std_scales.get(name, 1.0) if std_scales is not None else 1.0
-            local.copy_(normal_rows(name, tuple(param.shape), start, local.shape[0], std * scale, seed, truncate))
+            owner = model.get_submodule(name.rpartition(".")[0])
+            offset = getattr(owner, "expert_offset", None)
+            if offset is not None and param.ndim == 3:
+                rows = expert_rows(name, tuple(param.shape[1:]), offset + start, local.shape[0], std * scale, seed,
+                                   truncate)  # fmt: skip
+            else:
+                rows = normal_rows(name, tuple(param.shape), start, local.shape[0], std * scale, seed, truncate)
+            local.copy_(rows)
     reset_buffers(model)

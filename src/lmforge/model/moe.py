@@ -31,6 +31,13 @@ from torch import Tensor, nn
 
 from lmforge.model.attention import DocumentMask
 from lmforge.model.config import MoESpec
+from lmforge.model.expert_parallel import (
+    NO_EXPERT_PARALLEL,
+    ExpertShard,
+    all_to_all,
+    inverse_permutation,
+    plan_exchange,
+)
 from lmforge.model.grouped_mm import grouped_mm
 from lmforge.model.mlp import MLP
 
@@ -117,30 +124,68 @@ def dispatch_order(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
 
 
 class Experts(nn.Module):
-    """The routed experts' SwiGLU weights, stacked: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+    """The routed experts' SwiGLU weights, stacked: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+
+    Under expert parallelism (`shard_experts`) the stacks hold only this rank's E / ep experts, and `forward` sends
+    each token copy to the rank holding its expert (`lmforge.model.expert_parallel`)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.num_experts = num_experts
+        """Routed experts of the block (all ranks together)."""
         self.intermediate = intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.impl: ExpertsImpl = "auto"
+        self.ep: ExpertShard = NO_EXPERT_PARALLEL
+        """This rank's expert-parallel group; the stacks hold experts [expert_offset, expert_offset + E / ep)."""
+        self.register_buffer("tokens_computed", torch.zeros(()), persistent=False)
+
+    @property
+    def expert_offset(self) -> int:
+        """Global index of this rank's first expert."""
+        return self.ep.rank * (self.num_experts // self.ep.size)
+
+    def shard(self, shard: ExpertShard) -> None:
+        """Keep only this rank's experts of `shard`'s group (before FSDP wraps the module; on the meta device the
+        stacks just shrink)."""
+        if self.num_experts % shard.size:
+            raise ValueError(f"{self.num_experts} experts do not split over parallel.ep = {shard.size} ranks")
+        local = self.num_experts // shard.size
+        start = shard.rank * local
+        for name in ("gate_up_proj", "down_proj"):
+            old = getattr(self, name)
+            setattr(self, name, nn.Parameter(old.detach()[start : start + local].clone(), old.requires_grad))
+        self.ep = shard
 
     def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
         """x [T, hidden], indices and fp32 weights [T, k] -> (gate-weighted sum of the chosen experts' outputs
-        [T, hidden], int64 tokens per expert [E])."""
+        [T, hidden], int64 tokens per expert [E] routed by this rank)."""
         t, k = indices.shape
         order, counts = dispatch_order(indices, self.num_experts)
         # Row j of the sorted copies is token order[j] // k; indexing (not index_select) keeps backward
         # deterministic on CUDA (index_put with accumulate sorts its indices).
         xs = x[order // k]
-        ys = self._grouped_mm(xs, counts) if self._use_grouped_mm(x) else self._loop(xs, counts)
+        ys = self._exchanged(xs, counts) if self.ep.size > 1 else self._compute(xs, counts)
         # Back to (token, slot) order through the inverse permutation, then the gate-weighted sum over slots.
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        y = ys[inverse].view(t, k, -1)
+        y = ys[inverse_permutation(order)].view(t, k, x.shape[-1])
         return (y * weights.unsqueeze(-1)).sum(1).to(x.dtype), counts
+
+    def _compute(self, xs: Tensor, counts: Tensor) -> Tensor:
+        """The local experts on copies sorted by local expert, `counts` [E / ep] of them each."""
+        if self.training and _counting():
+            with torch.no_grad():
+                self.tokens_computed.add_(counts.sum())
+        return self._grouped_mm(xs, counts) if self._use_grouped_mm(xs) else self._loop(xs, counts)
+
+    @torch.compiler.disable
+    def _exchanged(self, xs: Tensor, counts: Tensor) -> Tensor:
+        # Outside compiled graphs: the exchange sizes are host ints, read from the device (see expert_parallel).
+        plan = plan_exchange(counts, self.ep)
+        assert self.ep.group is not None
+        received = all_to_all(xs, plan.recv, plan.send, self.ep.group)
+        ys = self._compute(received[plan.local_order], plan.local_counts)
+        return all_to_all(ys[inverse_permutation(plan.local_order)], plan.send, plan.recv, self.ep.group)
 
     def _use_grouped_mm(self, x: Tensor) -> bool:
         if self.impl == "loop":
@@ -215,7 +260,9 @@ class MoE(nn.Module):
 
     - `tokens_per_expert` [E]: token copies routed to each expert (sums to tokens x k);
     - `routing_confidence_sum` []: sum over tokens of `Routing.confidence`; divided by tokens_per_expert.sum() / k
-      it is the mean routing confidence.
+      it is the mean routing confidence;
+    - `experts.tokens_computed` []: token copies this rank's experts computed (under expert parallelism, those
+      it received from its group; otherwise tokens_per_expert.sum()).
     """
 
     def __init__(self, spec: MoESpec, hidden: int) -> None:
@@ -257,6 +304,7 @@ class MoE(nn.Module):
         self.tokens_per_expert.zero_()
         self.routing_confidence_sum.zero_()
         self.seq_aux_sum.zero_()
+        self.experts.tokens_computed.zero_()
 
     def reset_buffers(self) -> None:
         """Zero every buffer: the statistics and the selection bias (the state of a fresh init)."""

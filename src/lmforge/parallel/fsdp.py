@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from lmforge.config.model import ModelConfig
 from lmforge.model.attention import resolve_backend
 from lmforge.model.context_parallel import CP_KERNELS
+from lmforge.parallel.experts import shard_experts
 from lmforge.parallel.process_group import DistContext
 
 
@@ -78,11 +79,13 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], cfg: ModelConfig, ctx
     """
     if ctx.cp.size > 1:
         model.model.context = replace(ctx.cp, kernel=context_kernel(cfg.attn, ctx.device))  # type: ignore[union-attr]
+    experts = shard_experts(model, ctx.ep) if ctx.ep.size > 1 else []
     if cfg.ac.mode != "none":
         apply_activation_checkpointing(blocks, cfg.ac.freq, cfg.ac.mode)
     if cfg.compile:
         # Backends verified to trace without a graph break compile as one graph per block; the others may break.
-        fullgraph = getattr(model, "attn_backend", None) in FULLGRAPH_BACKENDS
+        # The expert-parallel exchange runs outside the graph (its sizes are host ints).
+        fullgraph = getattr(model, "attn_backend", None) in FULLGRAPH_BACKENDS and not experts
         for block in blocks:
             block.compile(fullgraph=fullgraph)
     param_dtype = resolve_param_dtype(cfg.param_dtype, ctx.device)
@@ -95,6 +98,9 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], cfg: ModelConfig, ctx
             model.tie_weights()  # to_empty gives tied modules separate parameters
         return model
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for module in experts:
+        # Each rank's experts shard over the ranks holding the same ones; the block around them over all ranks.
+        fully_shard(module, mesh=ctx.ep.fsdp_mesh, mp_policy=mp)
     for i, block in enumerate(blocks):
         # The last block's backward comes right after its forward: resharding it would only gather it again.
         fully_shard(block, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)

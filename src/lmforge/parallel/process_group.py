@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lmforge.model.context_parallel import ContextShard
+from lmforge.model.expert_parallel import NO_EXPERT_PARALLEL, ExpertShard
 
 
 @dataclass
@@ -33,6 +34,9 @@ class DistContext:
     """1-D mesh over all ranks: FSDP shards parameters over every rank, data-parallel and context-parallel alike."""
     cp: ContextShard = field(default_factory=lambda: ContextShard(None, 0, 1))
     """This rank's context-parallel group (size 1 without context parallelism)."""
+    ep: ExpertShard = NO_EXPERT_PARALLEL
+    """This rank's expert-parallel group (size 1 without expert parallelism): consecutive ranks split the routed
+    experts between them."""
 
     @property
     def dp_rank(self) -> int:
@@ -55,9 +59,11 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(timeout_minutes: float = 30.0, cp: int = 1) -> DistContext:
+def init_distributed(timeout_minutes: float = 30.0, cp: int = 1, ep: int = 1) -> DistContext:
     """Start (or join) the process group from torchrun's environment, or as a group of one. With `cp` > 1,
-    consecutive ranks form the context-parallel groups of a 2-D (dp, cp) device mesh."""
+    consecutive ranks form the context-parallel groups of a 2-D (dp, cp) device mesh; with `ep` > 1, consecutive
+    ranks form the expert-parallel groups of a 2-D (expert FSDP, ep) mesh, across data- and context-parallel
+    ranks alike."""
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
@@ -82,7 +88,16 @@ def init_distributed(timeout_minutes: float = 30.0, cp: int = 1) -> DistContext:
     if cp > 1:
         grid = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
         shard = ContextShard(grid.get_group("cp"), rank % cp, cp)
-    return DistContext(rank, world, local_rank, device, mesh, shard)
+    ctx = DistContext(rank, world, local_rank, device, mesh, shard)
+    if ep > 1:
+        if world % ep:
+            raise ValueError(f"parallel.ep = {ep} does not divide the world size {world}")
+        grid = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+        # Whole stacks are cut first into ep blocks of experts, then each block over its FSDP ranks: the same grid
+        # with the ep dimension outermost.
+        layout = DeviceMesh(device.type, grid.mesh.T.contiguous(), mesh_dim_names=("ep", "efsdp"))
+        ctx.ep = ExpertShard(grid.get_group("ep"), rank % ep, ep, grid["efsdp"], layout)
+    return ctx
 
 
 def shutdown_distributed() -> None:

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from lmforge.config.ckpt import CkptConfig
+from lmforge.model.expert_parallel import global_view
 from lmforge.parallel import DistContext
 from lmforge.runtime.ckpt_layout import (
     CHECKPOINTS,
@@ -188,7 +189,7 @@ class Checkpointer:
             self._on_every_rank(step, lambda: torch.save(rng_state(), tmp / "rng" / f"rank_{self.ctx.rank}.pt"))
             model_sd, optim_sd = get_state_dict(model, optimizers_of(optimizer))
             payload = {"model": model_sd, "optim": optim_sd}
-        payload = plain_state(payload)
+        payload = global_view(plain_state(payload), model)
         if self.cfg.async_save:
             future = dcp.async_save(payload, checkpoint_id=tmp, process_group=self.group)
             self._pending = (future, step)  # type: ignore[assignment]
@@ -315,7 +316,7 @@ def _tensor_shapes(path: Path, prefix: str) -> dict[str, tuple[int, ...]]:
 def check_model_shapes(path: Path, model: nn.Module) -> None:
     """Raise a CheckpointError listing every parameter that is missing, extra or of another shape."""
     saved = _tensor_shapes(path, "model.")
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    expected = {name: tuple(t.shape) for name, t in global_view(model.state_dict(), model).items()}
     problems = [f"{n}: missing from the checkpoint" for n in sorted(expected.keys() - saved.keys())]
     problems += [f"{n}: in the checkpoint but not in the model" for n in sorted(saved.keys() - expected.keys())]
     problems += [
@@ -345,7 +346,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: Any, rank: int) -> 
         hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         model_sd, optim_sd = get_state_dict(model, optimizers_of(optimizer))
         payload = plain_state({"model": model_sd, "optim": optim_sd})
-        _load(payload, path)
+        # The view shares the payload's storage: loading into it fills the payload.
+        _load(global_view(payload, model), path)
         set_state_dict(
             model, optimizers_of(optimizer), model_state_dict=payload["model"], optim_state_dict=payload["optim"]
         )
@@ -361,7 +363,7 @@ def load_model_state(path: Path, model: nn.Module) -> None:
     """Load a checkpoint's or snapshot's model weights into the live, possibly sharded, model (every rank)."""
     check_model_shapes(path, model)
     model_sd = plain_state(get_model_state_dict(model))
-    _load({"model": model_sd}, path)
+    _load(global_view({"model": model_sd}, model), path)
     set_model_state_dict(model, model_sd)
 
 

@@ -10,7 +10,9 @@ to the step's single SUM all-reduce, so the counts here are the step's global on
   step over all ranks), set on every block before the step's micro-batches (`lmforge.model.moe`), and its value
   `moe/seq_aux_loss`;
 - the metrics: `max_vio/{mean,max}`, `routing_confidence/mean`, `expert_load/{min_mean,max_mean,cv,entropy}/*`,
-  `expert_load/dead`, `expert_load/layer_<i>/*` and `moe/bias/{abs_mean,flips}`.
+  `expert_load/dead`, `expert_load/cold`, `expert_load/layer_<i>/*`, `moe/bias/{abs_mean,flips}` and the per-rank
+  load `moe/rank_load/{mean,max}` (token copies each rank's experts computed: under expert parallelism, what a rank
+  received from its group).
 """
 
 from __future__ import annotations
@@ -33,12 +35,17 @@ if TYPE_CHECKING:
     from lmforge.train.trainer import Trainer
 
 
+COLD_SHARE = 0.1
+"""An expert is cold in a step when its load is under this share of the mean load of its layer."""
+
+
 def load_stats(counts: np.ndarray) -> dict[str, np.ndarray]:
     """Per-layer load statistics of counts [layers, experts] (token copies per expert in one step).
 
     `max_vio`: max load / mean load - 1; `min_mean` and `max_mean`: min and max load over the mean; `cv`: standard
     deviation over mean; `entropy`: entropy of the load distribution divided by ln(experts) (1 = uniform);
-    `dead`: experts that got no token. A layer without tokens has no defined ratios (NaN) and all experts dead.
+    `dead`: experts that got no token; `cold`: experts under `COLD_SHARE` of the mean load (dead ones included).
+    A layer without tokens has no defined ratios (NaN) and all experts dead.
     """
     counts = np.asarray(counts, dtype=np.float64)
     num_experts = counts.shape[1]
@@ -53,6 +60,7 @@ def load_stats(counts: np.ndarray) -> dict[str, np.ndarray]:
             "cv": counts.std(axis=1) / mean,
             "entropy": -(share * logs).sum(axis=1) / math.log(num_experts),
             "dead": (counts == 0).sum(axis=1).astype(np.float64),
+            "cold": ((counts < COLD_SHARE * mean[:, None]) | (counts == 0)).sum(axis=1).astype(np.float64),
         }
 
 
@@ -75,9 +83,10 @@ def load_metrics(counts: np.ndarray, confidence_sums: np.ndarray, top_k: int, la
         "expert_load/entropy/mean": float(np.mean(stats["entropy"])),
         "expert_load/entropy/min": float(np.min(stats["entropy"])),
         "expert_load/dead": float(np.sum(stats["dead"])),
+        "expert_load/cold": float(np.sum(stats["cold"])),
     }
     for row, layer in enumerate(layers):
-        for name in ("max_vio", "cv", "entropy", "min_mean", "max_mean", "dead"):
+        for name in ("max_vio", "cv", "entropy", "min_mean", "max_mean", "dead", "cold"):
             out[f"expert_load/layer_{layer}/{name}"] = float(stats[name][row])
     return out
 
@@ -115,18 +124,28 @@ class MoEBalancer(Callback):
                 block.aux_scale.copy_(self.seq_aux_coeff / segments)
 
     def device_stats(self) -> dict[str, Tensor]:
-        """This rank's step statistics, for the step's SUM all-reduce: counts [L, E], confidence sums [L] and the
-        sequence-wise loss sums [L]."""
+        """This rank's step statistics, for the step's SUM all-reduce: counts [L, E], confidence sums [L], the
+        sequence-wise loss sums [L] and the copies each rank's experts computed [L, world] (this rank's column
+        filled, so the sum holds every rank's)."""
+        computed = torch.stack([b.experts.tokens_computed for b in self.blocks])
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        per_rank = torch.zeros(len(self.blocks), world, device=computed.device)
+        per_rank[:, rank] = computed
         return {
             "moe/counts": torch.stack([b.tokens_per_expert for b in self.blocks]),
             "moe/confidence": torch.stack([b.routing_confidence_sum for b in self.blocks]),
             "moe/seq_aux": torch.stack([b.seq_aux_sum for b in self.blocks]),
+            "moe/rank_load": per_rank,
         }
 
-    def update(self, step: int, counts: np.ndarray, confidence_sums: np.ndarray,
-               seq_aux_sums: np.ndarray | None = None) -> dict[str, float]:  # fmt: skip
+    def update(self, step: int, counts: np.ndarray, confidence_sums: np.ndarray, seq_aux_sums: np.ndarray | None = None,
+               rank_load: np.ndarray | None = None) -> dict[str, float]:  # fmt: skip
         """After step `step`'s reduction: move the biases (unless off or frozen) and return the step's metrics."""
         metrics = load_metrics(counts, confidence_sums, self.top_k, self.layers)
+        if rank_load is not None:
+            # Copies computed per rank and MoE layer: their mean, and the most any rank computed in one layer.
+            metrics["moe/rank_load/mean"] = float(np.mean(rank_load))
+            metrics["moe/rank_load/max"] = float(np.max(rank_load))
         if self._segments is not None and seq_aux_sums is not None:
             # The objective's term: coeff x the mean over segments of each block's loss, summed over blocks.
             metrics["moe/seq_aux_loss"] = self.seq_aux_coeff * float(np.sum(seq_aux_sums)) / float(self._segments)
@@ -158,4 +177,6 @@ class MoEBalancer(Callback):
     def on_step_reduced(self, trainer: Trainer, sums: dict[str, Any]) -> dict[str, float]:
         """Move the biases from the step's global counts (before the optimizer update) and return the routing
         metrics of step `trainer.step + 1`."""
-        return self.update(trainer.step + 1, sums["moe/counts"], sums["moe/confidence"], sums["moe/seq_aux"])
+        return self.update(
+            trainer.step + 1, sums["moe/counts"], sums["moe/confidence"], sums["moe/seq_aux"], sums["moe/rank_load"]
+        )
