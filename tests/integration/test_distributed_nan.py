@@ -1,4 +1,5 @@
-"""A non-finite micro-batch on one rank only: both ranks skip it in step, no collective hangs."""
+"""A non-finite micro-batch on one rank only: both ranks skip it in step, no collective hangs (also under expert
+parallelism, where the poisoned rank's token copies reach the other rank's experts)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,19 @@ from tests.unit.test_micro_batches import make_batches, poisoned_vs_clean, train
 pytestmark = pytest.mark.slow
 
 
-def _worker(rank: int, port: int, tmp: str) -> None:
+MOE_ARCH = {"model_type": "glm4_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "max_position_embeddings": 256}  # fmt: skip
+
+
+def _worker(rank: int, port: int, tmp: str, ep: int) -> None:
     join_as_rank(rank, port)
     from lmforge.parallel import init_distributed, shutdown_distributed
 
-    ctx = init_distributed(timeout_minutes=2)
+    ctx = init_distributed(timeout_minutes=2, ep=max(ep, 1))
+    extra = {} if ep == 0 else {"model": {"arch": MOE_ARCH}, "parallel": {"ep": ep}}
     config = train_config(Path(tmp), data={"type": "fake", "seq_len": 32, "batch_tokens": 256,
-                                           "micro_batch_tokens": 64, "vocab_size": 100})  # fmt: skip
+                                           "micro_batch_tokens": 64, "vocab_size": 100}, **extra)  # fmt: skip
     # each rank holds 2 micro-batches of 64 tokens per step; rank 0's second one of step 1 goes NaN
     batches = [make_batches(2, seed=10 * s + rank) for s in range(3)]
     result = poisoned_vs_clean(config, ctx, batches, bad=(1, 1) if rank == 0 else None)
@@ -27,8 +34,9 @@ def _worker(rank: int, port: int, tmp: str) -> None:
     shutdown_distributed()
 
 
-def test_nan_on_one_rank_is_skipped_everywhere(tmp_path: Path) -> None:
-    results = run_ranks(_worker, (free_port(), str(tmp_path)), tmp_path, timeout=180)
+@pytest.mark.parametrize("ep", [0, 1, 2], ids=["dense", "moe", "moe-ep2"])
+def test_nan_on_one_rank_is_skipped_everywhere(tmp_path: Path, ep: int) -> None:
+    results = run_ranks(_worker, (free_port(), str(tmp_path), ep), tmp_path, timeout=180)
     assert results[0]["hits"] == 1 and results[1]["hits"] == 0
     for res in results:
         assert [m["loss/nan_count"] for m in res["metrics"]] == [0.0, 1.0, 0.0]

@@ -211,14 +211,21 @@ class Trainer:
         stats = run_micro_batches(self.model, micro_batches, device, defer)
         sums, maxes = self._reduce(stats, micro_batches, data_wait, stop)
         self.stop_agreed = maxes["stop"] > 0
+        if sums["nan_count"] > 0:
+            # Rare: redo the step without the bad micro-batches (on every rank, so FSDP collectives match). The
+            # callbacks' step sums (MoE routing counts) are taken again from the rerun, before any of them acts on
+            # them: the step then moves the routing biases as a step without the bad micro-batches would.
+            for cb in self.callbacks:
+                cb.on_step_start(self, micro_batches)
+            rerun_without_nonfinite(self.model, micro_batches, stats.finite.tolist(), device, defer)
+            redone = self._grad_squares()
+            for cb in self.callbacks:
+                redone.update(cb.step_sums(self))
+            again, _ = reduce_step_stats(redone, {})
+            sums.update(again)
         from_callbacks: dict[str, float] = {}
         for cb in self.callbacks:
             from_callbacks.update(cb.on_step_reduced(self, sums))
-        if sums["nan_count"] > 0:
-            # Rare: redo the step without the bad micro-batches (on every rank, so FSDP collectives match).
-            rerun_without_nonfinite(self.model, micro_batches, stats.finite.tolist(), device, defer)
-            again, _ = reduce_step_stats(self._grad_squares(), {})
-            sums.update(again)
         group_sq = {g["name"]: sums[f"grad_sq/{g['name']}"] for g in self.optimizer.param_groups}
         update = self.optimizer.update(self.step + 1, group_sq, sums["loss_tokens"] > 0)
         if self.fp8_all_gather:
