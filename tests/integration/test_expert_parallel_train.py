@@ -1,8 +1,8 @@
 """Training under expert parallelism equals training without it: per-step losses, gradient norms and the routing
-biases with ep = 2 (2 processes), ep = 2 x 2 expert-FSDP ranks (4 processes), and ep = 2 compiled with activation
-checkpointing match one process within 1e-5; checkpoints resume across ep sizes (1 -> 2 -> 1); the exported model
-is the one ep = 1 exports and transformers loads it with the same logits; pretrained weights load into an ep = 2
-model unchanged."""
+biases with ep = 2 (2 processes), ep = 2 x 2 expert-FSDP ranks (4 processes), ep = 4 over cp = 2 x dp = 2 ranks,
+and ep = 2 compiled with activation checkpointing match one process within 1e-5; checkpoints resume across ep sizes
+(1 -> 2 -> 1); the exported model is the one ep = 1 exports and transformers loads it with the same logits;
+pretrained weights load into an ep = 2 model unchanged."""
 
 from __future__ import annotations
 
@@ -35,7 +35,12 @@ def test_ep_trains_like_one_process_resumes_across_ep_and_exports_the_same(tmp_p
     cfg = tmp_path / "moe.toml"
     cfg.write_text(RUN.format(out=tmp_path / "unused"))
     one = _train(cfg, tmp_path / "one", 1, 1)
-    runs = {"ep2": _train(cfg, tmp_path / "ep2", 2, 2), "ep2x2": _train(cfg, tmp_path / "ep2x2", 4, 2)}
+    runs = {
+        "ep2": _train(cfg, tmp_path / "ep2", 2, 2),
+        "ep2x2": _train(cfg, tmp_path / "ep2x2", 4, 2),
+        # EP groups span context-parallel ranks too: 4 ranks, rows split 2 ways, experts 4 ways.
+        "cp2ep4": _train(cfg, tmp_path / "cp2ep4", 4, 4, "--parallel.cp", "2"),
+    }
     for key in ("loss/mean", "optim/grad_norm", "max_vio/mean", "moe/bias/abs_mean"):
         want = _curve(one, key)
         assert len(want) == 8, key
