@@ -1,5 +1,6 @@
 """An MoE model through the CLI: balancing uses global counts (1 and 2 processes end with the same bias), resume
-reproduces the bias and the losses, and the routing metrics are logged."""
+reproduces the bias and the losses, and the routing metrics are logged; the research options train alike on 1 and
+2 processes and round-trip through export."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmforge.model.generate import generate
 from lmforge.monitor import read_metrics
 from lmforge.runtime.hf_folder import load_pretrained
 from tests.integration.runner import losses, run_cli
@@ -100,3 +102,19 @@ def test_balancing_under_context_parallelism_counts_every_token_once(tmp_path: P
     got = [r for r in read_metrics(split / "metrics.jsonl") if r["step"] > 0]
     for a, b in zip(want, got, strict=True):
         assert b["expert_load/layer_1/cv"] == pytest.approx(a["expert_load/layer_1/cv"], rel=1e-5, abs=1e-6)
+
+
+def test_research_options_train_alike_on_one_and_two_processes_and_round_trip(tmp_path: Path) -> None:
+    options = ("--model.arch.attn-output-gate", "elementwise", "--model.arch.xsa", "--model.arch.null-experts", "2")
+    one = run(tmp_path, "opt1", *options)
+    two = run(tmp_path, "opt2", *options, "--parallel.ep", "2", nproc=2)  # null experts under expert parallelism
+    assert losses(two) == pytest.approx(losses(one), rel=1e-5, abs=1e-5)
+    last = [r for r in read_metrics(one / "metrics.jsonl") if "moe/null_share" in r][-1]
+    assert 0 < last["moe/null_share"] < 1 and 0 < last["moe/real_k"] < 2
+    assert torch.equal(bias(two), bias(one)) and bias(one).numel() == 10
+    # `lmforge export` writes lmforge's own model type; the run and its export generate the same tokens.
+    folder = tmp_path / "hf"
+    assert run_cli(["export", str(one), "--output", str(folder), "--dtype", "float32"]).returncode == 0
+    assert '"model_type": "lmforge_moe"' in (folder / "config.json").read_text()
+    texts = [list(generate(load_pretrained(path)[0], [5, 6, 7], 12, temperature=0)) for path in (one, folder)]
+    assert texts[0] == texts[1] and len(texts[0]) == 12

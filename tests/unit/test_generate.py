@@ -13,11 +13,17 @@ from lmforge.model.init import init_weights
 from lmforge.model.llama import CausalLM
 from lmforge.prep.tokenizer_train import train_bpe
 from tests.conftest import tiny_llama, tiny_qwen3
+from tests.unit.test_moe import tiny_glm
 
 CPU = torch.device("cpu")
 VOCAB = 256
-ARCHS = [tiny_llama(), tiny_qwen3(), tiny_llama(tie_word_embeddings=True, head_dim=32)]
-ARCH_IDS = ["llama", "qwen3", "tied"]
+ARCHS = [
+    tiny_llama(),
+    tiny_qwen3(),
+    tiny_llama(tie_word_embeddings=True, head_dim=32),
+    tiny_glm(attn_output_gate="headwise", xsa=True, null_experts=2),
+]
+ARCH_IDS = ["llama", "qwen3", "tied", "glm-research-options"]
 
 
 def _model(arch: object, std: float = 0.05, seed: int = 3) -> CausalLM:

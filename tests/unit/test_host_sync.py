@@ -184,6 +184,9 @@ CASES: dict[str, Any] = {
     "full-ac": lambda tmp: {"model": {"arch": tiny_llama().model_dump(), "ac": {"mode": "full"}}},
     "moe-grouped": lambda tmp: {"model": {"arch": tiny_glm().model_dump(), "moe_balance": {"seq_aux_coeff": 1e-3}}},
     "moe-loop": lambda tmp: {"model": {"arch": tiny_glm().model_dump()}},
+    "moe-research-options": lambda tmp: {
+        "model": {"arch": tiny_glm(null_experts=2, xsa=True, attn_output_gate="headwise").model_dump()}
+    },
     "validation": _val_files,
     "sft": _sft_files,
 }
@@ -261,6 +264,8 @@ def test_one_process_steps_and_validation_never_read_the_device(
         assert "val/loss" in names
     if case == "moe-grouped":
         assert any(n.startswith("moe/") for n in names)
+    if case == "moe-research-options":
+        assert "moe/null_share" in names
 
 
 def _two_rank_worker(rank: int, port: int, tmp: str) -> None:

@@ -47,7 +47,8 @@ def _lmforge(arch: Arch, seed: int = 3) -> CausalLM:
         # A learned selection bias, large enough to change which experts tokens pick.
         for moe in model.moe_layers().values():
             if moe.spec.selection_bias:
-                moe.gate.e_score_correction_bias.copy_(torch.randn(moe.spec.num_experts, generator=gen) * 0.2)
+                bias = moe.gate.e_score_correction_bias
+                bias.copy_(torch.randn(bias.numel(), generator=gen) * 0.2)
     return model.eval()
 
 

@@ -32,6 +32,8 @@ class MoESpec:
     """Multiplier on the gate values after the optional rescaling."""
     num_shared_experts: int
     """Always-on experts, run as one SwiGLU of num_shared_experts x intermediate_size (0: none)."""
+    null_experts: int = 0
+    """Zero-computation experts the router may choose besides the routed ones (indices num_experts and up)."""
 
 
 class _ArchBase(BaseModel):
@@ -199,6 +201,24 @@ class Glm4MoeArch(_ArchBase):
     """Step size of the auxiliary-loss-free balancing: once per step each MoE block's selection bias moves by this
     much towards its under-loaded experts (DeepSeek-V3's sign rule). Unset: the bias is never updated."""
 
+    attn_output_gate: Literal["none", "headwise", "elementwise"] = "none"
+    """Research option (off: GLM-4.5): gated attention (Qiu et al., "Gated Attention for Large Language Models",
+    2025). The attention output of each head is multiplied by sigmoid(g_proj(x)) before `o_proj`, x being the
+    block's normed input: one gate per head (`headwise`, g_proj [heads, hidden]) or per channel (`elementwise`,
+    g_proj [heads x head_dim, hidden]). Exports with model_type `lmforge_moe`."""
+
+    xsa: bool = False
+    """Research option (off: GLM-4.5): exclusive self attention (Zhai, arXiv 2603.09078). Each head's output y_i
+    keeps only its component orthogonal to the token's own value vector v_i: y_i - (y_i . v_i) v_i / |v_i|^2. No
+    parameters; every attention backend and document masking. Exports with model_type `lmforge_moe`."""
+
+    null_experts: int = Field(default=0, ge=0)
+    """Research option (0: GLM-4.5): zero-computation experts the router may choose among its top k, so a token
+    uses between 0 and k real experts (AdaMoE, Zeng et al. 2024; MoE++, Jin et al. 2024). The router scores
+    n_routed_experts + null_experts experts; a null choice's gate value is part of the top-k normalization and its
+    output is zero. The selection bias balances null experts like real ones, so about k x n_routed_experts /
+    (n_routed_experts + null_experts) real experts per token on average. Exports with model_type `lmforge_moe`."""
+
     @model_validator(mode="after")
     def _check_moe(self) -> Glm4MoeArch:
         if self.n_group != 1 or self.topk_group != 1:
@@ -243,7 +263,14 @@ class Glm4MoeArch(_ArchBase):
             norm_topk_prob=self.norm_topk_prob,
             routed_scaling_factor=self.routed_scaling_factor,
             num_shared_experts=self.n_shared_experts,
+            null_experts=self.null_experts,
         )
+
+    @property
+    def research_options(self) -> list[str]:
+        """The research options this architecture turns on (empty: plain GLM-4.5, which transformers loads)."""
+        on = {"attn_output_gate": self.attn_output_gate != "none", "xsa": self.xsa, "null_experts": self.null_experts}
+        return [name for name, value in on.items() if value]
 
     def is_moe_layer(self, index: int) -> bool:
         """Every block from first_k_dense_replace on."""

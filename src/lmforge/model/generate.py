@@ -105,10 +105,11 @@ def forward_with_cache(model: CausalLM, input_ids: Tensor, cache: KVCache) -> Te
     cos, sin = rotary_cos_sin(positions, arch.rotary_dim, arch.rope_theta, x.dtype)
     for i, layer in enumerate(decoder.layers):
         attn = layer.self_attn
-        q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)
+        normed = layer.input_layernorm(x)
+        q, k, v = attn.qkv(normed, cos, sin)
         keys, values = cache.write(i, k, v)
         out = _attend(q, keys, values, start)
-        x = x + attn.o_proj(out.reshape(t, attn.num_heads * attn.head_dim))
+        x = x + attn.output(out.reshape(t, attn.num_heads, attn.head_dim), normed, v)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     cache.advance(t)
     return model.lm_head(decoder.norm(x))

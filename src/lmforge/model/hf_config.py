@@ -26,18 +26,29 @@ CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
 """File name of the generation defaults inside an HF model folder."""
 
+RESEARCH_MODEL_TYPE = "lmforge_moe"
+"""The `model_type` of an exported GLM-4.5 family model with research options on (`Glm4MoeArch.research_options`):
+lmforge's own, which transformers does not know and cannot load; `lmforge sample`, `model.name` and `lmforge
+export` read it back exactly."""
+
+RESEARCH_KEYS = ("attn_output_gate", "xsa", "null_experts")
+"""The research option fields, written to (and read from) a `lmforge_moe` config.json under their own names."""
+
 _CLASS_NAMES = {
     "llama": "LlamaForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    RESEARCH_MODEL_TYPE: "LmforgeMoeForCausalLM",
 }
 _ARCH_CLASSES: dict[str, type[AnyArch]] = {
     "llama": LlamaArch,
     "qwen3": Qwen3Arch,
     "glm4_moe": Glm4MoeArch,
     "qwen3_moe": Qwen3MoeArch,
+    RESEARCH_MODEL_TYPE: Glm4MoeArch,
 }
+_GLM_TYPES = ("glm4_moe", RESEARCH_MODEL_TYPE)
 _EXPORT_DTYPES = ("bfloat16", "float32")
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
@@ -49,6 +60,7 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "glm4_moe": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "head_dim": None},
     "qwen3_moe": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": None},
 }
+_HF_DEFAULTS[RESEARCH_MODEL_TYPE] = _HF_DEFAULTS["glm4_moe"]
 
 # The MoE fields of each family with transformers' defaults (taken when config.json leaves one out).
 _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -73,6 +85,7 @@ _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
         "mlp_only_layers": [],
     },
 }
+_MOE_DEFAULTS[RESEARCH_MODEL_TYPE] = _MOE_DEFAULTS["glm4_moe"]
 _GLM_PARTIAL_ROTARY = 0.5  # transformers' Glm4MoeConfig default
 
 
@@ -112,9 +125,11 @@ def arch_to_hf_config(
     `Qwen3MoeForCausalLM`, keys sorted."""
     if dtype not in _EXPORT_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_EXPORT_DTYPES)}; got {dtype!r}")
+    research = isinstance(arch, Glm4MoeArch) and bool(arch.research_options)
+    model_type = RESEARCH_MODEL_TYPE if research else arch.model_type
     config: dict[str, Any] = {
-        "architectures": [_CLASS_NAMES[arch.model_type]],
-        "model_type": arch.model_type,
+        "architectures": [_CLASS_NAMES[model_type]],
+        "model_type": model_type,
         "vocab_size": vocab_size,
         "hidden_size": arch.hidden_size,
         "intermediate_size": arch.intermediate_size,
@@ -139,6 +154,8 @@ def arch_to_hf_config(
         "dtype": dtype,
     }
     config.update(_family_keys(arch))
+    if research:
+        config.update({key: getattr(arch, key) for key in RESEARCH_KEYS})
     return dict(sorted(config.items()))
 
 
@@ -243,7 +260,9 @@ def _moe_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
               for key, default in _MOE_DEFAULTS.get(model_type, {}).items()}  # fmt: skip
     if model_type == "qwen3_moe" and raw.get("num_experts") is None and raw.get("num_local_experts") is not None:
         fields["num_experts"] = raw["num_local_experts"]  # transformers 5 saves the attribute-mapped name
-    if model_type == "glm4_moe":
+    if model_type == RESEARCH_MODEL_TYPE:
+        fields.update({key: raw[key] for key in RESEARCH_KEYS if raw.get(key) is not None})
+    if model_type in _GLM_TYPES:
         rope = raw.get("rope_parameters") or {}
         factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
         fields["partial_rotary_factor"] = _GLM_PARTIAL_ROTARY if factor is None else factor
@@ -252,7 +271,7 @@ def _moe_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
 
 def _check_supported(raw: dict[str, Any], path: Path) -> None:
     """Reject the features the lmforge decoder does not compute, naming the field."""
-    glm = raw["model_type"] == "glm4_moe"
+    glm = raw["model_type"] in _GLM_TYPES
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise HFModelError(f"{path}: hidden_act {act!r} is not supported; lmforge MLPs use silu (SwiGLU)")

@@ -64,8 +64,21 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((turned * cos + _rotate_half(turned) * sin, kept), dim=-1)
 
 
+def exclusive(out: Tensor, v: Tensor) -> Tensor:
+    """Exclusive self attention (XSA, Zhai, arXiv 2603.09078): each head's output out [T, Hq, D] without its
+    component along the token's own value vector v [T, Hkv, D] (query head h reads KV head h // (Hq / Hkv)):
+    y - (y . v) v / |v|^2, computed in fp32. A zero value vector leaves the output as it is."""
+    t, hq, d = out.shape
+    hkv = v.shape[1]
+    y = out.float().view(t, hkv, hq // hkv, d)
+    own = v.float().unsqueeze(2)
+    along = (y * own).sum(-1, keepdim=True) / own.square().sum(-1, keepdim=True).clamp_min(1e-12)
+    return (y - along * own).view(t, hq, d).to(out.dtype)
+
+
 class Attention(nn.Module):
-    """Grouped-query self-attention with RoPE and optional per-head QK-norm."""
+    """Grouped-query self-attention with RoPE and optional per-head QK-norm; research options (GLM-4.5 family)
+    change the heads' output before `o_proj` (`output`): exclusive self attention, then a sigmoid output gate."""
 
     def __init__(self, arch: AnyArch, attention: AttentionFn) -> None:
         super().__init__()
@@ -82,6 +95,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
         self.qk_norm = arch.qk_norm
         self.attention = attention
+        self.xsa = bool(getattr(arch, "xsa", False))
+        self.gate = getattr(arch, "attn_output_gate", "none")
+        if self.gate != "none":
+            gates = self.num_heads * (self.head_dim if self.gate == "elementwise" else 1)
+            self.g_proj = nn.Linear(arch.hidden_size, gates, bias=False)
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [T, hidden] -> q [T, Hq, D], k and v [T, Hkv, D], with QK-norm and RoPE applied to q and k.
@@ -96,11 +114,24 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
+    def output(self, out: Tensor, x: Tensor, v: Tensor) -> Tensor:
+        """The heads' outputs out [T, Hq, D] of input x [T, hidden] (normed) and its values v -> o_proj's result:
+        with `xsa`, each head's output loses its component along the token's own value; with an output gate, it is
+        multiplied by sigmoid(g_proj(x)) per head (`headwise`) or per channel (`elementwise`). Shared by the
+        training forward and the KV-cached inference path."""
+        t = x.shape[0]
+        if self.xsa:
+            out = exclusive(out, v)
+        if self.gate != "none":
+            gate = torch.sigmoid(self.g_proj(x)).view(t, self.num_heads, -1)
+            out = out * gate.to(out.dtype)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
         """x [T, hidden] -> [T, hidden]."""
         q, k, v = self.qkv(x, cos, sin)
         out = self.attention(q, k, v, mask) if mask.shard is None else context_attention(q, k, v, mask)
-        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
+        return self.output(out.reshape(x.shape[0], self.num_heads, self.head_dim), x, v)
 
 
 class DecoderLayer(nn.Module):

@@ -71,10 +71,12 @@ class Router(nn.Module):
     def __init__(self, spec: MoESpec, hidden: int) -> None:
         super().__init__()
         self.spec = spec
-        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden))
+        # Null experts (indices num_experts and up) are scored and chosen like routed ones.
+        choices = spec.num_experts + spec.null_experts
+        self.weight = nn.Parameter(torch.empty(choices, hidden))
         if spec.selection_bias:
             # Persistent: it is trained state (by the balancing rule, not by gradients) and HF checkpoints hold it.
-            self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts), persistent=True)
+            self.register_buffer("e_score_correction_bias", torch.zeros(choices), persistent=True)
 
     def forward(self, x: Tensor) -> Routing:
         """x [T, hidden] -> the routing of its tokens."""
@@ -129,10 +131,13 @@ class Experts(nn.Module):
     Under expert parallelism (`shard_experts`) the stacks hold only this rank's E / ep experts, and `forward` sends
     each token copy to the rank holding its expert (`lmforge.model.expert_parallel`)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, null_experts: int = 0) -> None:
         super().__init__()
         self.num_experts = num_experts
         """Routed experts of the block (all ranks together)."""
+        self.null_experts = null_experts
+        """Zero-computation choices besides them (indices num_experts and up): their copies are not computed and
+        contribute zero."""
         self.intermediate = intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
@@ -160,19 +165,28 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
         """x [T, hidden], indices and fp32 weights [T, k] -> (gate-weighted sum of the chosen experts' outputs
-        [T, hidden], int64 tokens per expert [E] routed by this rank)."""
+        [T, hidden], int64 tokens per choice [E + null experts] routed by this rank)."""
         t, k = indices.shape
-        order, counts = dispatch_order(indices, self.num_experts)
+        real = self.num_experts
+        order, counts = dispatch_order(indices, real + self.null_experts)
         # Row j of the sorted copies is token order[j] // k; indexing (not index_select) keeps backward
         # deterministic on CUDA (index_put with accumulate sorts its indices).
         xs = x[order // k]
-        ys = self._exchanged(xs, counts) if self.ep.size > 1 else self._compute(xs, counts)
+        null = (indices.reshape(-1)[order] >= real).unsqueeze(-1) if self.null_experts else None
+        if null is not None:
+            # Null copies sort last and are left out of the grouped matmuls, whose rows past the last group (and
+            # their gradients) are undefined: selects on both sides keep them out of the output and of x's gradient.
+            xs = torch.where(null, torch.zeros((), dtype=xs.dtype, device=xs.device), xs)
+        ys = self._exchanged(xs, counts[:real]) if self.ep.size > 1 else self._compute(xs, counts[:real])
+        if null is not None:
+            ys = torch.where(null, torch.zeros((), dtype=ys.dtype, device=ys.device), ys)
         # Back to (token, slot) order through the inverse permutation, then the gate-weighted sum over slots.
         y = ys[inverse_permutation(order)].view(t, k, x.shape[-1])
         return (y * weights.unsqueeze(-1)).sum(1).to(x.dtype), counts
 
     def _compute(self, xs: Tensor, counts: Tensor) -> Tensor:
-        """The local experts on copies sorted by local expert, `counts` [E / ep] of them each."""
+        """The local experts on copies sorted by local expert, `counts` [E / ep] of them each; rows after the last
+        group (null copies) come back undefined."""
         if self.training and _counting():
             with torch.no_grad():
                 self.tokens_computed.add_(counts.sum())
@@ -183,9 +197,11 @@ class Experts(nn.Module):
         # Outside compiled graphs: the exchange sizes are host ints, read from the device (see expert_parallel).
         plan = plan_exchange(counts, self.ep)
         assert self.ep.group is not None
-        received = all_to_all(xs, plan.recv, plan.send, self.ep.group)
+        sent = sum(plan.send)  # the routed copies; null ones sort after them and stay here
+        received = all_to_all(xs[:sent], plan.recv, plan.send, self.ep.group)
         ys = self._compute(received[plan.local_order], plan.local_counts)
-        return all_to_all(ys[inverse_permutation(plan.local_order)], plan.send, plan.recv, self.ep.group)
+        back = all_to_all(ys[inverse_permutation(plan.local_order)], plan.send, plan.recv, self.ep.group)
+        return torch.cat([back, back.new_zeros(xs.shape[0] - sent, back.shape[-1])]) if sent < xs.shape[0] else back
 
     def _use_grouped_mm(self, x: Tensor) -> bool:
         if self.impl == "loop":
@@ -210,7 +226,12 @@ class Experts(nn.Module):
         # The per-expert reference reads the group sizes on the host: one device sync per MoE layer and forward on
         # CUDA. `auto` takes it only for sizes `_grouped_mm` cannot take (see `_use_grouped_mm`).
         outs = []
-        for e, chunk in enumerate(xs.split(counts.tolist())):
+        sizes = counts.tolist()
+        rest = xs.shape[0] - sum(sizes)  # null copies
+        for e, chunk in enumerate(xs.split([*sizes, rest])):
+            if e == len(sizes):
+                outs.append(chunk.new_zeros(rest, self.down_proj.shape[1]))
+                break
             gate, up = F.linear(chunk, self.gate_up_proj[e]).chunk(2, dim=-1)
             outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
         return torch.cat(outs)
@@ -258,7 +279,8 @@ class MoE(nn.Module):
     Training-mode forwards add to two fp32 device buffers (non-persistent: not in state dicts or checkpoints), which
     the training loop reads and zeroes once per step:
 
-    - `tokens_per_expert` [E]: token copies routed to each expert (sums to tokens x k);
+    - `tokens_per_expert` [E + null experts]: token copies routed to each expert, null ones last (sums to
+      tokens x k);
     - `routing_confidence_sum` []: sum over tokens of `Routing.confidence`; divided by tokens_per_expert.sum() / k
       it is the mean routing confidence;
     - `experts.tokens_computed` []: token copies this rank's experts computed (under expert parallelism, those
@@ -269,11 +291,11 @@ class MoE(nn.Module):
         super().__init__()
         self.spec = spec
         self.gate = Router(spec, hidden)
-        self.experts = Experts(spec.num_experts, hidden, spec.intermediate_size)
+        self.experts = Experts(spec.num_experts, hidden, spec.intermediate_size, spec.null_experts)
         self.shared_experts = (
             MLP(hidden, spec.num_shared_experts * spec.intermediate_size) if spec.num_shared_experts else None
         )
-        self.register_buffer("tokens_per_expert", torch.zeros(spec.num_experts), persistent=False)
+        self.register_buffer("tokens_per_expert", torch.zeros(spec.num_experts + spec.null_experts), persistent=False)
         self.register_buffer("routing_confidence_sum", torch.zeros(()), persistent=False)
         self.register_buffer("seq_aux_sum", torch.zeros(()), persistent=False)
         self.register_buffer("aux_scale", torch.zeros(()), persistent=False)

@@ -43,7 +43,9 @@ def active_fractions(model: nn.Module) -> dict[str, float]:
     fractions: dict[str, float] = {}
     for prefix, module in model.named_modules():
         if isinstance(module, MoE):
-            share = module.spec.top_k / module.spec.num_experts
+            # With null experts, the expected share once balanced: each of the k choices lands on a given expert
+            # with probability 1 / (routed + null).
+            share = module.spec.top_k / (module.spec.num_experts + module.spec.null_experts)
             for local, _ in module.experts.named_parameters():
                 fractions[f"{prefix}.experts.{local}" if prefix else f"experts.{local}"] = share
     return fractions

@@ -10,7 +10,8 @@ to the step's single SUM all-reduce, so the counts here are the step's global on
   step over all ranks), set on every block before the step's micro-batches (`lmforge.model.moe`), and its value
   `moe/seq_aux_loss`;
 - the metrics: `max_vio/{mean,max}`, `routing_confidence/mean`, `expert_load/{min_mean,max_mean,cv,entropy}/*`,
-  `expert_load/dead`, `expert_load/cold`, `expert_load/layer_<i>/*`, `moe/bias/{abs_mean,flips}` and the per-rank
+  `expert_load/dead`, `expert_load/cold`, `expert_load/layer_<i>/*`, `moe/bias/{abs_mean,flips}`, with null
+  experts `moe/null_share` and `moe/real_k` (the expert-load statistics cover the real experts), and the per-rank
   load `moe/rank_load/{mean,max}` (token copies each rank's experts computed: under expert parallelism, what a rank
   received from its group).
 """
@@ -64,10 +65,15 @@ def load_stats(counts: np.ndarray) -> dict[str, np.ndarray]:
         }
 
 
-def load_metrics(counts: np.ndarray, confidence_sums: np.ndarray, top_k: int, layers: list[int]) -> dict[str, float]:
-    """The step's routing metrics from global counts [L, E] and confidence sums [L] of the MoE layers `layers`."""
+def load_metrics(counts: np.ndarray, confidence_sums: np.ndarray, top_k: int, layers: list[int],
+                 null_counts: np.ndarray | None = None) -> dict[str, float]:  # fmt: skip
+    """The step's routing metrics from global counts [L, E] and confidence sums [L] of the MoE layers `layers`;
+    with null experts, their counts [L, N] add `moe/null_share` (null choices over all choices) and `moe/real_k`
+    (real experts per token), and the expert-load statistics stay those of the real experts."""
     stats = load_stats(counts)
-    tokens = np.asarray(counts, dtype=np.float64).sum(axis=1) / top_k
+    choices = np.asarray(counts, dtype=np.float64).sum(axis=1)
+    nulls = np.zeros_like(choices) if null_counts is None else np.asarray(null_counts, dtype=np.float64).sum(axis=1)
+    tokens = (choices + nulls) / top_k
     with np.errstate(divide="ignore", invalid="ignore"):
         confidence = np.asarray(confidence_sums, dtype=np.float64) / tokens
     out = {
@@ -88,6 +94,10 @@ def load_metrics(counts: np.ndarray, confidence_sums: np.ndarray, top_k: int, la
     for row, layer in enumerate(layers):
         for name in ("max_vio", "cv", "entropy", "min_mean", "max_mean", "dead", "cold"):
             out[f"expert_load/layer_{layer}/{name}"] = float(stats[name][row])
+    if null_counts is not None:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out["moe/null_share"] = float(np.mean(nulls / (choices + nulls)))
+            out["moe/real_k"] = float(np.mean(choices / tokens))
     return out
 
 
@@ -100,6 +110,8 @@ class MoEBalancer(Callback):
         self.layers = sorted(blocks)
         self.blocks = [blocks[i] for i in self.layers]
         self.top_k = self.blocks[0].spec.top_k
+        self.num_experts = self.blocks[0].spec.num_experts
+        self.null_experts = self.blocks[0].spec.null_experts
         self.coeff = cfg.coeff if coeff_override is None else coeff_override
         self.freeze_step = None if cfg.freeze_at is None else math.floor(cfg.freeze_at * max_steps)
         self.balanced = [b for b in self.blocks if b.spec.selection_bias]
@@ -141,7 +153,9 @@ class MoEBalancer(Callback):
     def update(self, step: int, counts: np.ndarray, confidence_sums: np.ndarray, seq_aux_sums: np.ndarray | None = None,
                rank_load: np.ndarray | None = None) -> dict[str, float]:  # fmt: skip
         """After step `step`'s reduction: move the biases (unless off or frozen) and return the step's metrics."""
-        metrics = load_metrics(counts, confidence_sums, self.top_k, self.layers)
+        real = self.num_experts
+        nulls = counts[:, real:] if self.null_experts else None
+        metrics = load_metrics(counts[:, :real], confidence_sums, self.top_k, self.layers, nulls)
         if rank_load is not None:
             # Copies computed per rank and MoE layer: their mean, and the most any rank computed in one layer.
             metrics["moe/rank_load/mean"] = float(np.mean(rank_load))
