@@ -46,6 +46,10 @@ def test_ep_trains_like_one_process_resumes_across_ep_and_exports_the_same(tmp_p
         assert len(want) == 8, key
         for name, run in runs.items():
             assert _curve(run, key) == pytest.approx(want, rel=1e-5, abs=1e-6), (name, key)
+    # Parameter counts (and so MFU) count whole expert stacks.
+    counts = [{k: v for k, v in read_metrics(r / "metrics.jsonl")[0].items() if k.startswith("params/")}
+              for r in (one, *runs.values())]  # fmt: skip
+    assert counts[0]["params/total"] > 0 and all(c == counts[0] for c in counts)
     # Compiled blocks with activation checkpointing: the exchange runs outside the graphs and is recomputed in backward.
     compiled = _train(cfg, tmp_path / "compiled", 2, 2, "--model.compile", "--model.ac.mode", "full")
     assert _curve(compiled, "loss/mean") == pytest.approx(_curve(one, "loss/mean"), rel=1e-5)

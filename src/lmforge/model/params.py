@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lmforge.model.expert_parallel import global_view
 from lmforge.model.moe import MoE
 from lmforge.model.roles import param_role
 
@@ -56,14 +57,15 @@ def count_params(model: nn.Module) -> ParamCounts:
     fractions = active_fractions(model)
     total = embedding = 0
     active = 0.0
-    for name, p in model.named_parameters():
+    # Under expert parallelism a rank's expert stacks are pieces of whole ones: count the whole stacks.
+    for name, p in global_view(dict(model.named_parameters()), model).items():
         total += p.numel()
         if param_role(name, p.ndim) == "embed":
             embedding += p.numel()
         else:
             active += p.numel() * fractions.get(name, 1.0)
     matmul = 0.0
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, p in global_view(dict(model.named_parameters(remove_duplicate=False)), model).items():
         if p.ndim >= 2 and param_role(name, p.ndim) != "embed":
             matmul += p.numel() * fractions.get(name, 1.0)
     return ParamCounts(total, embedding, total - embedding, active, matmul)
