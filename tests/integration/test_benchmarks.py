@@ -263,3 +263,23 @@ def test_context_parallel_benchmark_smoke(tmp_path: Path) -> None:
         assert one["gathered"] == 0 < two["gathered"] and one["step"] > 0 and two["step"] > 0
         assert two["activations"] < 0.75 * one["activations"]  # split over two ranks
     assert rows[(256, 2)]["gathered"] == 2 * rows[(128, 2)]["gathered"]  # keys and values of the whole row
+
+
+def test_expert_parallel_benchmark_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "ep.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "expert_parallel.py"), "--smoke", "--json", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = {(r["experts"], r["ep"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(4, 1), (4, 2), (8, 1), (8, 2)}
+    for experts in (4, 8):
+        one, two = rows[(experts, 1)], rows[(experts, 2)]
+        assert one["tokens_per_s"] > 0 and two["tokens_per_s"] > 0
+        # only ep = 2 exchanges token copies (and plans the exchange); ep = 1 has nobody to send them to
+        assert one["a2a_bytes"] == one["count_bytes"] == 0 < two["a2a_remote_bytes"] <= two["a2a_bytes"]
+        assert two["count_bytes"] > 0 and two["plan_s"] > 0
+        # each rank computes with half the experts at ep = 2; FSDP already splits the held shards at ep = 1
+        assert two["expert_weight_bytes"] * 2 == one["expert_weight_bytes"] > 0
+        assert two["expert_shard_bytes"] == one["expert_shard_bytes"] == one["expert_weight_bytes"] // 2
+        # without the experts' FSDP traffic, ep = 2 gathers less
+        assert two["gather_bytes"] < one["gather_bytes"]
