@@ -229,7 +229,10 @@ def _write_config(folder: Path, **changes: object) -> Path:
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        ({"model_type": "mistral"}, r"'mistral' is not supported; supported: glm4_moe, llama, lmforge_moe, qwen3, qwen3_moe"),
+        (
+            {"model_type": "mistral"},
+            r"'mistral' is not supported; supported: glm4_moe, llama, lmforge_moe, qwen3, qwen3_moe",
+        ),
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
         ({"mlp_bias": True}, r"mlp_bias"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_scaling with rope_type 'yarn'"),
