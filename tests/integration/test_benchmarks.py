@@ -283,3 +283,44 @@ def test_expert_parallel_benchmark_smoke(tmp_path: Path) -> None:
         assert two["expert_shard_bytes"] == one["expert_shard_bytes"] == one["expert_weight_bytes"] // 2
         # without the experts' FSDP traffic, ep = 2 gathers less
         assert two["gather_bytes"] < one["gather_bytes"]
+
+
+def test_moe_options_smoke_trains_the_baseline_and_two_options(tmp_path: Path) -> None:
+    """`moe_options.py --smoke` trains the baseline, the headwise output gate and null experts on the demo data, and
+    each option's parameters differ from the baseline's by what the option adds."""
+    out = tmp_path / "moe_options.json"
+    script = ROOT / "benchmarks" / "moe_options.py"
+    cmd = [sys.executable, str(script), "--smoke", "--data-dir", str(tmp_path / "demo"), "--json", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    s = figures["settings"]
+    rows = {r["variant"]: r for r in figures["rows"]}
+    assert list(rows) == ["baseline", "gate_headwise", "null_experts"] and figures["skipped"] == {}
+    assert [(r["variant"], r["seed"]) for r in figures["runs"]] == [(v, 0) for v in rows]
+    assert figures["tokens_per_run"] == (s["warmup"] + s["steps"]) * s["batch_tokens"]
+    for run in figures["runs"]:
+        assert "error" not in run and len(run["step_tokens_per_s"]) == s["warmup"] + s["steps"]
+        assert math.isfinite(run["heldout_loss"]) and math.isfinite(run["train_loss"])
+    for row in rows.values():
+        assert row["tokens_per_s"] > 0 and row["seeds"] == [0]
+        assert row["heldout_loss_mean"] == row["heldout_losses"][0] and row["heldout_loss_std"] == 0
+    base, gate, null = rows["baseline"], rows["gate_headwise"], rows["null_experts"]
+    # the options change what the model computes: same init seed and tokens, another held-out loss
+    assert gate["seed_deltas"][0] == gate["heldout_loss_mean"] - base["heldout_loss_mean"] != 0
+    assert null["seed_deltas"][0] != 0 and not gate["same_as_baseline"] and not null["same_as_baseline"]
+    h, layers, heads = s["hidden_size"], s["num_hidden_layers"], s["num_attention_heads"]
+    moe_blocks = layers - s["first_k_dense_replace"]
+    # headwise gate: a g_proj [heads, hidden] in every block's attention, which every token uses
+    assert gate["params_delta"] == gate["params"]["total"] - base["params"]["total"] == layers * heads * h
+    assert gate["params"]["active_non_embedding"] - base["params"]["active_non_embedding"] == layers * heads * h
+    # null experts: one router row [hidden] each, and a token's top-k now falls on a real expert with probability
+    # n / (n + nulls), so it uses fewer routed experts (each a SwiGLU of 3 x hidden x width weights)
+    assert null["flags"] == figures["options"]["null_experts"]
+    nulls = int(null["flags"][0].split("=")[1])
+    n, k, width = s["n_routed_experts"], s["top_k"], s["moe_intermediate_size"]
+    assert null["params_delta"] == moe_blocks * nulls * h
+    fewer = moe_blocks * (k - k * n / (n + nulls)) * 3 * h * width
+    active = base["params"]["active_non_embedding"] + moe_blocks * nulls * h - fewer
+    assert null["params"]["active_non_embedding"] == pytest.approx(active)
+    assert "gate_headwise" in result.stdout and "| `null_experts` |" in result.stdout

@@ -105,9 +105,12 @@ def test_balancing_under_context_parallelism_counts_every_token_once(tmp_path: P
 
 
 def test_research_options_train_alike_on_one_and_two_processes_and_round_trip(tmp_path: Path) -> None:
-    options = ("--model.arch.attn-output-gate", "elementwise", "--model.arch.xsa", "--model.arch.null-experts", "2")
+    options = ("--model.arch.attn-output-gate", "elementwise", "--model.arch.xsa", "--model.arch.null-experts", "2",
+               "--model.arch.moe-latent-size", "16", "--model.arch.expert-glu", "situ_glu",
+               "--model.arch.hyper-connections", "2")  # fmt: skip
     one = run(tmp_path, "opt1", *options)
-    two = run(tmp_path, "opt2", *options, "--parallel.ep", "2", nproc=2)  # null experts under expert parallelism
+    # Null experts and latent copies (16 wide) under expert parallelism.
+    two = run(tmp_path, "opt2", *options, "--parallel.ep", "2", nproc=2)
     assert losses(two) == pytest.approx(losses(one), rel=1e-5, abs=1e-5)
     last = [r for r in read_metrics(one / "metrics.jsonl") if "moe/null_share" in r][-1]
     assert 0 < last["moe/null_share"] < 1 and 0 < last["moe/real_k"] < 2
@@ -115,6 +118,30 @@ def test_research_options_train_alike_on_one_and_two_processes_and_round_trip(tm
     # `lmforge export` writes lmforge's own model type; the run and its export generate the same tokens.
     folder = tmp_path / "hf"
     assert run_cli(["export", str(one), "--output", str(folder), "--dtype", "float32"]).returncode == 0
-    assert '"model_type": "lmforge_moe"' in (folder / "config.json").read_text()
+    written = (folder / "config.json").read_text()
+    assert '"model_type": "lmforge_moe"' in written and '"moe_latent_size": 16' in written
+    assert '"hyper_connections": 2' in written
     texts = [list(generate(load_pretrained(path)[0], [5, 6, 7], 12, temperature=0)) for path in (one, folder)]
     assert texts[0] == texts[1] and len(texts[0]) == 12
+
+
+def test_quantile_balancing_is_global_and_resumes_exactly(tmp_path: Path) -> None:
+    flags = ("--model.moe-balance.rule", "quantile", "--model.arch.router-bias-on-logits")
+    straight = run(tmp_path, "q1", *flags)
+    records = [r for r in read_metrics(straight / "metrics.jsonl") if r["step"] > 0]
+    assert all(0 <= r["moe/quantile/edge_share"] < 1 for r in records)
+    final = bias(straight)
+    assert final.abs().sum() > 0 and abs(float(final.mean())) < 1e-5, "the quantile bias is centred"
+    # Two processes (each routing half the tokens, with the expert stacks split by expert parallelism) reduce the
+    # same histograms: the same biases and losses as one process.
+    two = run(tmp_path, "q2", *flags, "--parallel.ep", "2", nproc=2)
+    assert torch.allclose(bias(two), final, atol=1e-6)
+    assert losses(two) == pytest.approx(losses(straight), rel=1e-5, abs=1e-5)
+    # Context parallelism: every token's values are recorded once, on the rank that holds it.
+    split = run(tmp_path, "qcp", *flags, "--parallel.cp", "2", nproc=2)
+    assert torch.allclose(bias(split), final, atol=1e-6)
+    # A resume at step 4 bins over the saved ranges: the same losses and the same final bias, exactly.
+    resumed = run(tmp_path, "qr", *flags, "--ckpt.interval", "4")
+    run(tmp_path, "qr", *flags, "--resume.step", "4")
+    assert losses(resumed) == losses(straight)
+    assert torch.equal(bias(resumed), final)

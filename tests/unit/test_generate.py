@@ -22,8 +22,9 @@ ARCHS = [
     tiny_qwen3(),
     tiny_llama(tie_word_embeddings=True, head_dim=32),
     tiny_glm(attn_output_gate="headwise", xsa=True, null_experts=2),
+    tiny_glm(moe_latent_size=16, expert_glu="situ_glu", router_bias_on_logits=True),
 ]
-ARCH_IDS = ["llama", "qwen3", "tied", "glm-research-options"]
+ARCH_IDS = ["llama", "qwen3", "tied", "glm-research-options", "glm-latent-situ"]
 
 
 def _model(arch: object, std: float = 0.05, seed: int = 3) -> CausalLM:

@@ -185,7 +185,14 @@ CASES: dict[str, Any] = {
     "moe-grouped": lambda tmp: {"model": {"arch": tiny_glm().model_dump(), "moe_balance": {"seq_aux_coeff": 1e-3}}},
     "moe-loop": lambda tmp: {"model": {"arch": tiny_glm().model_dump()}},
     "moe-research-options": lambda tmp: {
-        "model": {"arch": tiny_glm(null_experts=2, xsa=True, attn_output_gate="headwise").model_dump()}
+        "model": {
+            "arch": tiny_glm(
+                null_experts=2, xsa=True, attn_output_gate="headwise", moe_latent_size=16, expert_glu="situ_glu"
+            ).model_dump()
+        }
+    },
+    "moe-quantile": lambda tmp: {
+        "model": {"arch": tiny_glm(router_bias_on_logits=True).model_dump(), "moe_balance": {"rule": "quantile"}}
     },
     "validation": _val_files,
     "sft": _sft_files,
@@ -266,6 +273,8 @@ def test_one_process_steps_and_validation_never_read_the_device(
         assert any(n.startswith("moe/") for n in names)
     if case == "moe-research-options":
         assert "moe/null_share" in names
+    if case == "moe-quantile":
+        assert "moe/quantile/edge_share" in names
 
 
 def _two_rank_worker(rank: int, port: int, tmp: str) -> None:

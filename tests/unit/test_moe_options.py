@@ -134,3 +134,131 @@ def test_options_export_as_lmforge_moe_and_load_back_exactly(tmp_path: Path) -> 
     assert torch.equal(_logits(back, _ids(), hf=False), _logits(model, _ids(), hf=False))
     assert isinstance(back.arch, Glm4MoeArch) and back.arch.research_options == ["attn_output_gate", "xsa",
                                                                                   "null_experts"]  # fmt: skip
+
+
+def _latent_reference(moe: MoE, x: torch.Tensor, situ: tuple[float, float] | None) -> torch.Tensor:
+    """LatentMoE token by token from its definition: z = W_down x, the chosen experts' gated sum on z, W_up of it,
+    plus the shared experts on x; each expert a SwiGLU or, with `situ` = (b1, b2), a SiTU-GLU."""
+    routing = moe.gate(x)
+    down, up_proj = moe.latent_down_proj.weight, moe.latent_up_proj.weight
+    rows = []
+    for t in range(x.shape[0]):
+        z = down @ x[t]
+        total = torch.zeros(z.shape[0])
+        for slot in range(routing.indices.shape[1]):
+            e = int(routing.indices[t, slot])
+            g, u = (moe.experts.gate_up_proj[e] @ z).chunk(2)
+            if situ is None:
+                act = g * torch.sigmoid(g) * u
+            else:
+                b1, b2 = situ
+                act = b1 * torch.tanh(g / b1) * torch.sigmoid(g) * b2 * torch.tanh(u / b2)
+            total = total + routing.weights[t, slot] * (moe.experts.down_proj[e] @ act)
+        rows.append(up_proj @ total)
+    return torch.stack(rows) + moe.shared_experts(x)
+
+
+@pytest.mark.parametrize("glu", ["swiglu", "situ_glu"])
+@pytest.mark.parametrize("impl", ["grouped_mm", "loop"])
+def test_latent_experts_equal_a_per_token_reference(impl: str, glu: str) -> None:
+    arch = tiny_glm(moe_latent_size=16, expert_glu=glu, situ_beta=0.5, situ_linear_beta=0.8)  # caps that bite
+    model = build_model(arch, VOCAB, "sdpa", CPU)
+    init_weights(model, 0.2, seed=6)
+    moe = model.moe_layers()[1]
+    moe.experts.impl = impl  # type: ignore[assignment]
+    assert moe.experts.gate_up_proj.shape == (8, 64, 16) and moe.experts.down_proj.shape == (8, 16, 32)
+    assert moe.latent_down_proj.weight.shape == (16, 64) and moe.latent_up_proj.weight.shape == (64, 16)
+    moe.train()
+    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    got = moe(x)
+    with torch.no_grad():
+        want = _latent_reference(moe, x, (0.5, 0.8) if glu == "situ_glu" else None)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert int(moe.tokens_per_expert.sum()) == 40 and int(moe.experts.tokens_computed) == 40
+    got.square().sum().backward()
+    for param in (moe.latent_down_proj.weight, moe.latent_up_proj.weight, moe.gate.weight, moe.experts.gate_up_proj):
+        assert param.grad is not None and param.grad.abs().sum() > 0
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_situ_glu_caps_both_factors() -> None:
+    from lmforge.model.moe import glu
+
+    big = torch.tensor([1e4, -1e4, 0.0])
+    assert torch.allclose(glu(big, big, "situ_glu", (4.0, 25.0)), torch.tensor([100.0, 0.0, 0.0]))
+    small = torch.tensor([1e-3, -2e-3])  # near zero, SiTU-GLU is SwiGLU to first order
+    assert torch.allclose(glu(small, small, "situ_glu"), glu(small, small), rtol=1e-3)
+
+
+def test_latent_dispatch_sends_latent_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmforge.model.expert_parallel import ExpertShard
+    from lmforge.model.moe import Experts
+
+    widths: list[int] = []
+
+    def exchanged(self: Experts, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        widths.append(xs.shape[-1])  # what the all-to-all would send
+        return self._compute(xs, counts)
+
+    monkeypatch.setattr(Experts, "_exchanged", exchanged)
+    model = build_model(tiny_glm(moe_latent_size=16), VOCAB, "sdpa", CPU)
+    init_weights(model, 0.1, seed=0)
+    moe = model.moe_layers()[1]
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(1))
+    plain = moe(x)
+    moe.experts.ep = ExpertShard(None, 0, 2)  # stacks left whole: only the exchange path is taken
+    assert torch.equal(moe(x), plain) and widths == [16]
+
+
+def test_latent_projections_have_roles_an_init_and_count_as_active() -> None:
+    from lmforge.model.params import count_params
+    from lmforge.model.roles import param_role
+
+    model = build_model(tiny_glm(moe_latent_size=16), VOCAB, "sdpa", CPU)
+    init_weights(model, 0.1, seed=0)
+    params = dict(model.named_parameters())
+    down, up = "model.layers.1.mlp.latent_down_proj.weight", "model.layers.1.mlp.latent_up_proj.weight"
+    assert param_role(down, 2) == "hidden" and param_role(up, 2) == "residual_out"
+    assert params[down].std() > 0.05 and params[up].std() > 0.05  # drawn like any block matrix (std 0.1)
+    share = 2 / 8
+    want = sum(p.numel() * (share if ".mlp.experts." in n else 1.0) for n, p in params.items() if "embed" not in n)
+    assert count_params(model).active_non_embedding == pytest.approx(want)
+
+
+def test_latent_size_must_be_below_the_hidden_size() -> None:
+    with pytest.raises(ValueError, match="moe_latent_size 64 must be below hidden_size 64"):
+        tiny_glm(moe_latent_size=64)
+
+
+def test_latent_and_situ_experts_export_as_lmforge_moe_and_load_back_exactly(tmp_path: Path) -> None:
+    arch = tiny_glm(moe_latent_size=16, expert_glu="situ_glu", situ_beta=2.0, situ_linear_beta=3.0)
+    model = _lmforge(arch)
+    _export(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == RESEARCH_MODEL_TYPE
+    assert (config["moe_latent_size"], config["expert_glu"], config["situ_beta"], config["situ_linear_beta"]) == (
+        16, "situ_glu", 2.0, 3.0)  # fmt: skip
+    assert read_hf_config(tmp_path).arch == arch.model_copy(update={"head_dim": 16})
+    back, _ = load_pretrained(tmp_path)
+    assert torch.equal(_logits(back, _ids(), hf=False), _logits(model, _ids(), hf=False))
+    assert back.arch.research_options == ["moe_latent_size", "expert_glu"]
+
+
+def test_bias_on_logits_chooses_by_biased_logits_and_gates_by_unbiased_scores() -> None:
+    model = build_model(tiny_glm(router_bias_on_logits=True, routed_scaling_factor=1.0), VOCAB, "sdpa", CPU)
+    init_weights(model, 0.2, seed=4)
+    gate = model.moe_layers()[1].gate
+    with torch.no_grad():
+        gate.e_score_correction_bias.copy_(torch.linspace(-1.0, 1.0, 8))
+    x = torch.randn(30, 64, generator=torch.Generator().manual_seed(5))
+    routing = gate(x)
+    logits = x @ gate.weight.detach().T
+    for t in range(30):
+        order = sorted(range(8), key=lambda e: -float(logits[t, e] + gate.e_score_correction_bias[e]))
+        assert sorted(routing.indices[t].tolist()) == sorted(order[:2])
+        chosen = torch.sigmoid(logits[t, routing.indices[t]])
+        assert torch.allclose(routing.weights[t], chosen / chosen.sum(), atol=1e-6)
+    # The same bias on the scores picks differently: the logits' scale is not the scores'.
+    on_scores = build_model(tiny_glm(routed_scaling_factor=1.0), VOCAB, "sdpa", CPU)
+    on_scores.load_state_dict(model.state_dict())
+    assert not torch.equal(on_scores.moe_layers()[1].gate(x).indices.sort(-1).values, routing.indices.sort(-1).values)

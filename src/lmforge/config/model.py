@@ -66,12 +66,28 @@ class MoEBalanceConfig(Section):
 
     coeff: float = Field(default=1e-3, ge=0)
     """Once per optimizer step, each MoE block's selection bias moves by coeff x sign(mean load - expert load),
-    from the step's token counts over all ranks (DeepSeek-V3's rule); 0 turns balancing off. The GLM-4.5 arch
-    field `load_balance_coeff`, when set, takes precedence. Routers without a selection bias (qwen3_moe) are not
-    balanced."""
+    from the step's token counts over all ranks (DeepSeek-V3's rule, `rule = "sign"`); 0 turns balancing off (for
+    either rule). The GLM-4.5 arch field `load_balance_coeff`, when set, takes precedence. Routers without a
+    selection bias (qwen3_moe) are not balanced."""
+
+    rule: Literal["sign", "quantile"] = "sign"
+    """How the selection bias moves once per step. `sign`: by coeff towards the under-loaded experts (DeepSeek-V3).
+    `quantile`: towards the value that gives every choice the same expected load, read from a histogram of each
+    choice's selection values (scores, or logits with the arch's `router_bias_on_logits`) over the step's tokens on
+    all ranks: bias_e = mean(q) - q_e, q_e the (1 - k / choices) quantile of choice e's values, approached at
+    `quantile_rate` (coeff only switches it on; see docs/model.md)."""
 
     freeze_at: float | None = Field(default=None, gt=0, le=1)
-    """Stop updating the bias after this fraction of max_steps (e.g. 0.9); unset: update until the end."""
+    """Stop updating the bias after this fraction of max_steps (e.g. 0.9); unset: update until the end. The
+    quantile rule also stops recording its histograms then."""
+
+    quantile_bins: int = Field(default=256, ge=8)
+    """Histogram bins per choice and block of the quantile rule. A block's first range is [0, 1] for scores and
+    [-1, 1] for logits; each step's next one spans twice the previous step's occupied bins (grown by its span on a
+    side whose edge bin was hit). The ranges are kept in checkpoints, so a resumed run bins alike."""
+
+    quantile_rate: float = Field(default=0.5, gt=0, le=1)
+    """Share of the way the quantile rule moves the bias towards its balancing value each step (1: all of it)."""
 
     seq_aux_coeff: float = Field(default=0.0, ge=0)
     """Weight of DeepSeek-V3's complementary sequence-wise balance loss, added to the training objective as

@@ -49,7 +49,8 @@ def completep_scale(role: str, m_n: float, m_l: float) -> RoleScale:
     """The CompleteP factors of a parameter role, with the residual (1 / m_L) and logit (1 / m_N) multipliers
     folded into `residual_out` and `head`. Routed experts scale like the dense matrices they replace
     (`expert_hidden` like `hidden`, `expert_out` like `residual_out`); the router, which reads the residual stream
-    like any hidden matrix, scales like `hidden`."""
+    like any hidden matrix, scales like `hidden`. Hyper-connection parameters (O(1) connection weights and their
+    small dynamic terms) scale like the norm scales."""
     if role in ("expert_hidden", "router"):
         role = "hidden"
     elif role == "expert_out":
@@ -62,7 +63,7 @@ def completep_scale(role: str, m_n: float, m_l: float) -> RoleScale:
     if role == "head":
         c = 1 / m_n  # the logit multiplier
         return RoleScale(c, c, c, 1 / c, 1 / c)
-    if role in ("norm", "bias"):
+    if role in ("norm", "bias", "hyper"):
         return RoleScale(eps=1 / m_l)
     if role == "embed":
         return STANDARD

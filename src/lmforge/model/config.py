@@ -34,6 +34,15 @@ class MoESpec:
     """Always-on experts, run as one SwiGLU of num_shared_experts x intermediate_size (0: none)."""
     null_experts: int = 0
     """Zero-computation experts the router may choose besides the routed ones (indices num_experts and up)."""
+    bias_on_logits: bool = False
+    """Add the selection bias to the router's logits instead of its scores when choosing experts."""
+    latent_size: int = 0
+    """Width the routed experts work in (LatentMoE): tokens are projected to it before dispatch and their gated sum
+    back to the hidden size after; 0: the hidden size, without projections."""
+    expert_glu: Literal["swiglu", "situ_glu"] = "swiglu"
+    """The routed experts' gated activation: silu(gate) x up, or Kimi K3's SiTU-GLU."""
+    situ_betas: tuple[float, float] = (4.0, 25.0)
+    """SiTU-GLU's soft caps (beta1 on the gate half, beta2 on the up half)."""
 
 
 class _ArchBase(BaseModel):
@@ -219,8 +228,53 @@ class Glm4MoeArch(_ArchBase):
     output is zero. The selection bias balances null experts like real ones, so about k x n_routed_experts /
     (n_routed_experts + null_experts) real experts per token on average. Exports with model_type `lmforge_moe`."""
 
+    router_bias_on_logits: bool = False
+    """Research option (off: GLM-4.5): experts are chosen by the router's logits + `e_score_correction_bias`
+    instead of its sigmoid scores + bias (the gate values still come from the unbiased scores). A bias on logits
+    acts as a multiplicative shift of the odds, the same at every score level. Exports with model_type
+    `lmforge_moe`."""
+
+    moe_latent_size: int = Field(default=0, ge=0)
+    """Research option (0: GLM-4.5): LatentMoE (Elango et al., "LatentMoE: Toward Optimal Accuracy per FLOP and
+    Parameter in Mixture of Experts", arXiv 2601.18089; NVIDIA Nemotron 3 Super). The routed experts work in this
+    smaller width: each MoE block projects a token once by `mlp.latent_down_proj` [latent, hidden], its routed
+    experts are SwiGLUs from and to the latent width (stacks [E, 2I, latent] and [E, latent, I]), and the gated sum
+    of their outputs goes back by `mlp.latent_up_proj` [hidden, latent]; the router and the shared experts read the
+    full hidden state. Expert weights and expert-parallel all-to-all bytes shrink by hidden / latent. Must be below
+    hidden_size. Exports with model_type `lmforge_moe`."""
+
+    expert_glu: Literal["swiglu", "situ_glu"] = "swiglu"
+    """Research option (swiglu: GLM-4.5): the routed experts' gated activation. `situ_glu` is Kimi K3's SiTU-GLU,
+    beta1 tanh(g / beta1) sigmoid(g) x beta2 tanh(u / beta2) for the gate and up halves g, u (a SwiGLU whose two
+    factors are soft-capped, so |output| <= beta1 x beta2); the shared experts and dense MLPs stay SwiGLU. Exports
+    with model_type `lmforge_moe`."""
+
+    situ_beta: float = Field(default=4.0, gt=0)
+    """SiTU-GLU's soft cap on the gate half (beta1; used with `expert_glu = "situ_glu"`)."""
+
+    situ_linear_beta: float = Field(default=25.0, gt=0)
+    """SiTU-GLU's soft cap on the up half (beta2; used with `expert_glu = "situ_glu"`)."""
+
+    hyper_connections: int = Field(default=0, ge=0)
+    """Research option (0: GLM-4.5): hyper-connections (Zhu et al., "Hyper-Connections", arXiv 2409.19606) with
+    this expansion rate n. The residual stream is widened to n copies (the embedding output copied n times, the
+    copies summed before the final norm); each sub-layer (attention and the MLP, `self_attn` and `mlp` of every
+    block) reads a weighted sum of the copies (A_m [n]) and writes its output into each copy (weights B [n]) on
+    top of a mix of the copies (A_r [n, n]), under `model.layers.{i}.attn_hc.*` / `mlp_hc.*`. The paper's init
+    makes the network equal the plain one at init. 1 is allowed (one stream with learned scalar connections, the
+    paper's n = 1 case). Exports with model_type `lmforge_moe`."""
+
+    hyper_connections_dynamic: bool = True
+    """With `hyper_connections`: dynamic hyper-connections (DHC, the paper's default), whose weights A_m, A_r and B
+    also depend on each token's normed copies through tanh projections scaled by learned factors (starting at
+    0.01, the projections at 0, so DHC equals static HC at init); false: static hyper-connections (SHC)."""
+
     @model_validator(mode="after")
     def _check_moe(self) -> Glm4MoeArch:
+        if self.moe_latent_size >= self.hidden_size:
+            raise ValueError(
+                f"moe_latent_size {self.moe_latent_size} must be below hidden_size {self.hidden_size} (0: no latent)"
+            )
         if self.n_group != 1 or self.topk_group != 1:
             raise ValueError(
                 f"group-limited routing (n_group {self.n_group}, topk_group {self.topk_group}) is not supported; "
@@ -264,12 +318,18 @@ class Glm4MoeArch(_ArchBase):
             routed_scaling_factor=self.routed_scaling_factor,
             num_shared_experts=self.n_shared_experts,
             null_experts=self.null_experts,
+            bias_on_logits=self.router_bias_on_logits,
+            latent_size=self.moe_latent_size,
+            expert_glu=self.expert_glu,
+            situ_betas=(self.situ_beta, self.situ_linear_beta),
         )
 
     @property
     def research_options(self) -> list[str]:
         """The research options this architecture turns on (empty: plain GLM-4.5, which transformers loads)."""
-        on = {"attn_output_gate": self.attn_output_gate != "none", "xsa": self.xsa, "null_experts": self.null_experts}
+        on = {"attn_output_gate": self.attn_output_gate != "none", "xsa": self.xsa, "null_experts": self.null_experts,
+              "router_bias_on_logits": self.router_bias_on_logits, "moe_latent_size": self.moe_latent_size,
+              "expert_glu": self.expert_glu != "swiglu", "hyper_connections": self.hyper_connections}  # fmt: skip
         return [name for name, value in on.items() if value]
 
     def is_moe_layer(self, index: int) -> bool:

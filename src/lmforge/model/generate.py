@@ -1,20 +1,21 @@
 """Autoregressive generation for `CausalLM`: a preallocated KV cache, sampling and streamed detokenization.
 
-The cached forward reuses the model's own modules (embedding, norms, `Attention.qkv`, MLP, LM head), so it
-computes the same function as the training forward on a single document; only attention differs, reading
-past keys and values from the cache instead of recomputing them.
+The cached forward reuses the model's own modules (embedding, norms, `Attention.qkv`, MLP, hyper-connections,
+LM head), so it computes the same function as the training forward on a single document; only attention differs,
+reading past keys and values from the cache instead of recomputing them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from lmforge.model.llama import CausalLM, rotary_cos_sin
+from lmforge.model.hyper_connections import HyperConnection, collapse_stream, expand_stream, stream_rate
+from lmforge.model.llama import CausalLM, DecoderLayer, rotary_cos_sin
 
 
 class KVCache:
@@ -103,16 +104,33 @@ def forward_with_cache(model: CausalLM, input_ids: Tensor, cache: KVCache) -> Te
     x = decoder.embed_tokens(input_ids)
     positions = torch.arange(start, start + t, device=x.device)
     cos, sin = rotary_cos_sin(positions, arch.rotary_dim, arch.rope_theta, x.dtype)
+    rate = stream_rate(arch)
+    if rate:
+        x = expand_stream(x, rate)
     for i, layer in enumerate(decoder.layers):
-        attn = layer.self_attn
-        normed = layer.input_layernorm(x)
-        q, k, v = attn.qkv(normed, cos, sin)
-        keys, values = cache.write(i, k, v)
-        out = _attend(q, keys, values, start)
-        x = x + attn.output(out.reshape(t, attn.num_heads, attn.head_dim), normed, v)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+
+        def attend(h: Tensor, i: int = i, layer: DecoderLayer = layer) -> Tensor:
+            attn = layer.self_attn
+            normed = layer.input_layernorm(h)
+            q, k, v = attn.qkv(normed, cos, sin)
+            keys, values = cache.write(i, k, v)
+            out = _attend(q, keys, values, start)
+            return attn.output(out.reshape(t, attn.num_heads, attn.head_dim), normed, v)
+
+        def mlp(h: Tensor, layer: DecoderLayer = layer) -> Tensor:
+            return layer.mlp(layer.post_attention_layernorm(h))
+
+        x = _residual(layer.attn_hc, x, attend)
+        x = _residual(layer.mlp_hc, x, mlp)
+    if rate:
+        x = collapse_stream(x)
     cache.advance(t)
     return model.lm_head(decoder.norm(x))
+
+
+def _residual(hc: HyperConnection | None, x: Tensor, branch: Callable[[Tensor], Tensor]) -> Tensor:
+    """One sub-layer on the residual stream: x + branch(x), or through its hyper-connection."""
+    return x + branch(x) if hc is None else hc(x, branch)
 
 
 def sample_next(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:

@@ -31,7 +31,8 @@ RESEARCH_MODEL_TYPE = "lmforge_moe"
 lmforge's own, which transformers does not know and cannot load; `lmforge sample`, `model.name` and `lmforge
 export` read it back exactly."""
 
-RESEARCH_KEYS = ("attn_output_gate", "xsa", "null_experts")
+RESEARCH_KEYS = ("attn_output_gate", "xsa", "null_experts", "router_bias_on_logits", "moe_latent_size", "expert_glu",
+                 "situ_beta", "situ_linear_beta", "hyper_connections", "hyper_connections_dynamic")  # fmt: skip
 """The research option fields, written to (and read from) a `lmforge_moe` config.json under their own names."""
 
 _CLASS_NAMES = {

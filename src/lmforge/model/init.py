@@ -31,7 +31,8 @@ def block_seed(seed: int, name: str, block: int) -> int:
 
 def init_role(name: str, param: Tensor, rules: dict[str, str] | None = None) -> str:
     """How a parameter is initialized: `normal` (matrices, embeddings), `one` (norm scales) or `zero` (biases);
-    `rules` (name -> one/zero) declares the 1-D parameters of modules that are neither."""
+    `rules` (name -> one/zero/declared) declares the parameters of modules that are neither, `declared` ones taking
+    the value their module's `init_value(local_name)` gives (hyper-connection weights)."""
     if rules and name in rules:
         return rules[name]
     if name.endswith(".bias"):
@@ -47,8 +48,8 @@ def init_role(name: str, param: Tensor, rules: dict[str, str] | None = None) -> 
 
 
 def declared_init_rules(model: nn.Module) -> dict[str, str]:
-    """Init rules that modules declare for their own 1-D parameters: a module's `init_rules` maps a local
-    parameter name to `one` or `zero`."""
+    """Init rules that modules declare for their own parameters: a module's `init_rules` maps a local parameter
+    name to `one`, `zero` or `declared` (then its `init_value(local_name)` is the full initial tensor)."""
     rules: dict[str, str] = {}
     for prefix, module in model.named_modules():
         for local, rule in getattr(module, "init_rules", {}).items():
@@ -127,9 +128,9 @@ def init_weights(
 ) -> None:
     """Initialize every parameter, plain or FSDP2-sharded, in place: N(0, std x std_scale(name)) for matrices,
     stacked expert matrices and embeddings (truncated at 3 std if asked; `std_scales` multiplies a parameter's std,
-    e.g. for CompleteP), 1 for norm scales, 0 for biases; only this rank's rows are drawn (an expert stack's rows
-    are its experts, each drawn on its own: `expert_rows`). Buffers are reset too: an MoE selection bias starts at
-    zero."""
+    e.g. for CompleteP), 1 for norm scales, 0 for biases, a module's declared value for its `declared` parameters;
+    only this rank's rows are drawn (an expert stack's rows are its experts, each drawn on its own: `expert_rows`).
+    Buffers are reset too: an MoE selection bias starts at zero."""
     rules = declared_init_rules(model)
     for name, param in model.named_parameters():
         role = init_role(name, param, rules)
@@ -138,6 +139,10 @@ def init_weights(
             local.fill_(1.0)
         elif role == "zero":
             local.zero_()
+        elif role == "declared":
+            prefix, _, leaf = name.rpartition(".")
+            value = model.get_submodule(prefix).init_value(leaf)
+            local.copy_(value[start : start + local.shape[0]])
         else:
             scale = std_scales.get(name, 1.0) if std_scales is not None else 1.0
             owner = model.get_submodule(name.rpartition(".")[0])

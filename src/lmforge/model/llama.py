@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from lmforge.model.attention import AttentionFn, DocumentMask, get_attention
 from lmforge.model.config import AnyArch
 from lmforge.model.context_parallel import ContextShard, context_attention
+from lmforge.model.hyper_connections import HyperConnection, collapse_stream, expand_stream, stream_rate
 from lmforge.model.loss import head_cross_entropy, head_token_losses
 from lmforge.model.mlp import MLP
 from lmforge.model.moe import MoE
@@ -135,7 +136,8 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm decoder block: attention then the MLP (dense or MoE), each on a residual branch."""
+    """Pre-norm decoder block: attention then the MLP (dense or MoE), each on a residual branch, or with
+    hyper-connections (`arch.hyper_connections`) each behind a hyper-connection of its own (`attn_hc`, `mlp_hc`)."""
 
     def __init__(self, arch: AnyArch, attention: AttentionFn, index: int = 0) -> None:
         super().__init__()
@@ -148,12 +150,27 @@ class DecoderLayer(nn.Module):
             if spec is not None and arch.is_moe_layer(index)
             else MLP(arch.hidden_size, arch.intermediate_size)
         )
+        self.attn_hc: HyperConnection | None = None
+        self.mlp_hc: HyperConnection | None = None
+        rate = stream_rate(arch)
+        if rate:
+            dynamic = bool(getattr(arch, "hyper_connections_dynamic", True))
+            hidden, eps = arch.hidden_size, arch.rms_norm_eps
+            # The paper counts attention and the MLP as two layers: block i holds sub-layers 2i and 2i + 1.
+            self.attn_hc = HyperConnection(rate, hidden, 2 * index, RMSNorm(hidden, eps) if dynamic else None)
+            self.mlp_hc = HyperConnection(rate, hidden, 2 * index + 1, RMSNorm(hidden, eps) if dynamic else None)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
-        """x [T, hidden] -> [T, hidden]."""
+        """x [T, hidden] -> [T, hidden]; with hyper-connections the stream [n, T, hidden] -> [n, T, hidden]."""
+        if self.attn_hc is not None and self.mlp_hc is not None:
+            x = self.attn_hc(x, lambda h: self.self_attn(self.input_layernorm(h), cos, sin, mask))
+            return self.mlp_hc(x, lambda h: self._mlp(self.post_attention_layernorm(h), mask))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, mask) if isinstance(self.mlp, MoE) else self.mlp(h))
+        return x + self._mlp(self.post_attention_layernorm(x), mask)
+
+    def _mlp(self, h: Tensor, mask: DocumentMask) -> Tensor:
+        """The MLP branch on normed h: an MoE block takes the mask (its sequence-wise loss needs the segments)."""
+        return self.mlp(h, mask) if isinstance(self.mlp, MoE) else self.mlp(h)
 
 
 class DecoderModel(nn.Module):
@@ -182,8 +199,13 @@ class DecoderModel(nn.Module):
             raise ValueError(f"seq_lens add up to {mask.total}, which is not the {x.shape[0]} tokens of this row"
                              + ("" if self.context is None else f" x cp {self.context.size}"))  # fmt: skip
         cos, sin = rotary_cos_sin(position_ids, self.arch.rotary_dim, self.arch.rope_theta, x.dtype)
+        rate = stream_rate(self.arch)
+        if rate:
+            x = expand_stream(x, rate)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
+        if rate:
+            x = collapse_stream(x)
         return self.norm(x).unsqueeze(0)
 
 

@@ -77,13 +77,22 @@ class Router(nn.Module):
         if spec.selection_bias:
             # Persistent: it is trained state (by the balancing rule, not by gradients) and HF checkpoints hold it.
             self.register_buffer("e_score_correction_bias", torch.zeros(choices), persistent=True)
+        # The quantile balancing rule (lmforge.train.balance) has training forwards add a histogram [choices, bins]
+        # of the values the bias is added to (scores, or logits with `bias_on_logits`) over `choice_range` [lo, hi]
+        # (a device tensor, so a new range each step recompiles nothing); values outside fall in the edge bins.
+        self.record_choices = False
+        self.register_buffer("choice_histogram", torch.zeros(choices, 0), persistent=False)
+        self.register_buffer("choice_range", torch.tensor([0.0, 1.0]), persistent=False)
 
     def forward(self, x: Tensor) -> Routing:
         """x [T, hidden] -> the routing of its tokens."""
         spec = self.spec
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid() if spec.score_func == "sigmoid" else logits.softmax(dim=-1)
-        choice = scores + self.e_score_correction_bias.float() if spec.selection_bias else scores
+        biased = logits if spec.bias_on_logits else scores
+        if self.record_choices and self.training and _counting():
+            self._record(biased.detach())
+        choice = biased + self.e_score_correction_bias.float() if spec.selection_bias else scores
         indices = choice.topk(spec.top_k, dim=-1).indices
         chosen = scores.gather(-1, indices)
         confidence = chosen.sum(-1) / scores.sum(-1)
@@ -107,6 +116,39 @@ class Router(nn.Module):
         return delta
 
     @torch.no_grad()
+    def _record(self, values: Tensor) -> None:
+        """Add the selection values [T, choices] to the histogram: on the device, by scatter_add_, no host read."""
+        choices, bins = self.choice_histogram.shape
+        lo, hi = self.choice_range[0], self.choice_range[1]
+        index = ((values - lo) * (bins / (hi - lo))).floor().clamp_(0, bins - 1).long()
+        index = index + torch.arange(choices, device=values.device) * bins
+        flat = self.choice_histogram.view(-1)
+        flat.scatter_add_(0, index.reshape(-1), torch.ones(index.numel(), device=flat.device, dtype=flat.dtype))
+
+    @torch.no_grad()
+    def start_recording(self, bins: int, lo: float, hi: float) -> None:
+        """Record histograms of `bins` bins over [lo, hi] from the next training forward on (zeroed)."""
+        choices = self.choice_histogram.shape[0]
+        if self.choice_histogram.shape[1] != bins:
+            self.choice_histogram = self.choice_histogram.new_zeros(choices, bins)
+        self.choice_histogram.zero_()
+        self.choice_range.copy_(torch.tensor([lo, hi]))
+        self.record_choices = True
+
+    @torch.no_grad()
+    def reset_choices(self) -> None:
+        """Zero the step's histogram."""
+        self.choice_histogram.zero_()
+
+    @torch.no_grad()
+    def set_bias(self, bias: Tensor) -> Tensor:
+        """Set the selection bias (the same values on every rank); returns the change applied."""
+        new = bias.to(self.e_score_correction_bias.device, self.e_score_correction_bias.dtype)
+        delta = new - self.e_score_correction_bias
+        self.e_score_correction_bias.copy_(new)
+        return delta
+
+    @torch.no_grad()
     def reset_bias(self) -> None:
         """Zero the selection bias (the state of a freshly initialized router)."""
         if self.spec.selection_bias:
@@ -125,14 +167,34 @@ def dispatch_order(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
     return order, counts
 
 
+ExpertGlu = Literal["swiglu", "situ_glu"]
+"""The routed experts' gated activation (see `glu`)."""
+
+
+def glu(gate: Tensor, up: Tensor, kind: ExpertGlu = "swiglu", betas: tuple[float, float] = (4.0, 25.0)) -> Tensor:
+    """The gated activation of an expert from its gate and up halves: SwiGLU silu(g) x u, or SiTU-GLU (Kimi K3)
+    b1 tanh(g / b1) sigmoid(g) x b2 tanh(u / b2), whose soft caps bound each factor (computed in fp32)."""
+    if kind == "swiglu":
+        return F.silu(gate) * up
+    b1, b2 = betas
+    g, u = gate.float(), up.float()
+    return (b1 * torch.tanh(g / b1) * torch.sigmoid(g) * (b2 * torch.tanh(u / b2))).to(gate.dtype)
+
+
 class Experts(nn.Module):
-    """The routed experts' SwiGLU weights, stacked: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+    """The routed experts' gated MLP weights, stacked: gate_up_proj [E, 2I, H] (gate rows first), down_proj
+    [E, H, I]; H is the width of the copies they take, the hidden size or, with LatentMoE, the latent one.
 
     Under expert parallelism (`shard_experts`) the stacks hold only this rank's E / ep experts, and `forward` sends
     each token copy to the rank holding its expert (`lmforge.model.expert_parallel`)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, null_experts: int = 0) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, null_experts: int = 0,
+                 act: ExpertGlu = "swiglu", betas: tuple[float, float] = (4.0, 25.0)) -> None:  # fmt: skip
         super().__init__()
+        self.act: ExpertGlu = act
+        """The gated activation (`glu`)."""
+        self.betas = betas
+        """SiTU-GLU's soft caps (unused by SwiGLU)."""
         self.num_experts = num_experts
         """Routed experts of the block (all ranks together)."""
         self.null_experts = null_experts
@@ -164,8 +226,9 @@ class Experts(nn.Module):
         self.ep = shard
 
     def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
-        """x [T, hidden], indices and fp32 weights [T, k] -> (gate-weighted sum of the chosen experts' outputs
-        [T, hidden], int64 tokens per choice [E + null experts] routed by this rank)."""
+        """x [T, H], indices and fp32 weights [T, k] -> (gate-weighted sum of the chosen experts' outputs [T, H],
+        int64 tokens per choice [E + null experts] routed by this rank); under expert parallelism the copies sent
+        are rows of x, H wide."""
         t, k = indices.shape
         real = self.num_experts
         order, counts = dispatch_order(indices, real + self.null_experts)
@@ -220,7 +283,7 @@ class Experts(nn.Module):
     def _grouped_mm(self, xs: Tensor, counts: Tensor) -> Tensor:
         offsets = counts.cumsum(0).to(torch.int32)
         gate, up = grouped_mm(xs, self.gate_up_proj.transpose(-2, -1), offsets).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offsets)
+        return grouped_mm(glu(gate, up, self.act, self.betas), self.down_proj.transpose(-2, -1), offsets)
 
     def _loop(self, xs: Tensor, counts: Tensor) -> Tensor:
         # The per-expert reference reads the group sizes on the host: one device sync per MoE layer and forward on
@@ -233,7 +296,7 @@ class Experts(nn.Module):
                 outs.append(chunk.new_zeros(rest, self.down_proj.shape[1]))
                 break
             gate, up = F.linear(chunk, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+            outs.append(F.linear(glu(gate, up, self.act, self.betas), self.down_proj[e]))
         return torch.cat(outs)
 
 
@@ -276,6 +339,12 @@ def _counting() -> bool:
 class MoE(nn.Module):
     """Router, routed experts and optional shared experts: the MLP of an MoE decoder layer.
 
+    With `spec.latent_size` (LatentMoE), the routed experts work in that width: `latent_down_proj` [latent, hidden]
+    projects each token once before dispatch (so expert-parallel exchanges move latent rows) and `latent_up_proj`
+    [hidden, latent] takes the gated sum of the experts' outputs back to the hidden size; the router and the shared
+    experts read the hidden state itself. Nothing else sits in the latent path (no norm, no bias), and the routed
+    scaling factor is part of the gate values, before the up projection.
+
     Training-mode forwards add to two fp32 device buffers (non-persistent: not in state dicts or checkpoints), which
     the training loop reads and zeroes once per step:
 
@@ -291,7 +360,11 @@ class MoE(nn.Module):
         super().__init__()
         self.spec = spec
         self.gate = Router(spec, hidden)
-        self.experts = Experts(spec.num_experts, hidden, spec.intermediate_size, spec.null_experts)
+        width = spec.latent_size or hidden
+        self.latent_down_proj = nn.Linear(hidden, width, bias=False) if spec.latent_size else None
+        self.latent_up_proj = nn.Linear(width, hidden, bias=False) if spec.latent_size else None
+        self.experts = Experts(spec.num_experts, width, spec.intermediate_size, spec.null_experts, spec.expert_glu,
+                               spec.situ_betas)  # fmt: skip
         self.shared_experts = (
             MLP(hidden, spec.num_shared_experts * spec.intermediate_size) if spec.num_shared_experts else None
         )
@@ -305,7 +378,10 @@ class MoE(nn.Module):
     def forward(self, x: Tensor, mask: DocumentMask | None = None) -> Tensor:
         """x [T, hidden] -> [T, hidden]; `mask` gives the segments of the sequence-wise balance loss."""
         routing = self.gate(x)
-        out, counts = self.experts(x, routing.indices, routing.weights)
+        routed = self.latent_down_proj(x) if self.latent_down_proj is not None else x
+        out, counts = self.experts(routed, routing.indices, routing.weights)
+        if self.latent_up_proj is not None:
+            out = self.latent_up_proj(out)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         aux = None
@@ -327,6 +403,7 @@ class MoE(nn.Module):
         self.routing_confidence_sum.zero_()
         self.seq_aux_sum.zero_()
         self.experts.tokens_computed.zero_()
+        self.gate.reset_choices()
 
     def reset_buffers(self) -> None:
         """Zero every buffer: the statistics and the selection bias (the state of a fresh init)."""

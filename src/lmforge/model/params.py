@@ -22,11 +22,12 @@ class ParamCounts:
     non_embedding: int
     """total - embedding (the LM head included when it is not tied)."""
     active_non_embedding: float
-    """Non-embedding parameters one token uses: dense parts, routers and shared experts whole, routed experts
-    times top_k / num_experts."""
+    """Non-embedding parameters one token uses: dense parts, routers, shared experts and LatentMoE's latent
+    projections whole, routed experts times top_k / num_experts."""
     active_matmul: float
     """Active weights (2-D and stacked 3-D) outside the embedding that a token multiplies, the LM head counted even
-    when tied: N_matmul of the 6 N D FLOP count."""
+    when tied: N_matmul of the 6 N D FLOP count. Hyper-connection parameters are left out: they are tiny, and their
+    cost (mixing n stream copies) is not one multiply-add per weight and token."""
 
     def metrics(self) -> dict[str, float]:
         """The step-0 `params/*` metrics."""
@@ -66,6 +67,6 @@ def count_params(model: nn.Module) -> ParamCounts:
             active += p.numel() * fractions.get(name, 1.0)
     matmul = 0.0
     for name, p in global_view(dict(model.named_parameters(remove_duplicate=False)), model).items():
-        if p.ndim >= 2 and param_role(name, p.ndim) != "embed":
+        if p.ndim >= 2 and param_role(name, p.ndim) not in ("embed", "hyper"):
             matmul += p.numel() * fractions.get(name, 1.0)
     return ParamCounts(total, embedding, total - embedding, active, matmul)

@@ -4,8 +4,10 @@ Every MoE block counts, on the device, the token copies routed to each expert an
 chosen experts (`lmforge.model.moe`). The trainer zeroes those buffers before a step's micro-batches and adds them
 to the step's single SUM all-reduce, so the counts here are the step's global ones on every rank. From them:
 
-- the bias update: each block's selection bias moves by coeff x sign(mean load - expert load) (DeepSeek-V3's rule),
-  identically on every rank, until `freeze_at` x max_steps;
+- the bias update, identically on every rank, until `freeze_at` x max_steps: with `rule = "sign"` each block's
+  selection bias moves by coeff x sign(mean load - expert load) (DeepSeek-V3's rule); with `rule = "quantile"` the
+  routers also add a histogram of each choice's selection values to the step's sums, and the bias moves towards
+  the value that gives every choice the same expected load (`quantile_bias`);
 - with `seq_aux_coeff`, the scale of the sequence-wise balance loss's gradient: seq_aux_coeff / (segments in the
   step over all ranks), set on every block before the step's micro-batches (`lmforge.model.moe`), and its value
   `moe/seq_aux_loss`;
@@ -38,6 +40,52 @@ if TYPE_CHECKING:
 
 COLD_SHARE = 0.1
 """An expert is cold in a step when its load is under this share of the mean load of its layer."""
+
+START_RANGE = {"scores": (0.0, 1.0), "logits": (-1.0, 1.0)}
+"""The quantile rule's first histogram range for selection values that are sigmoid scores or router logits; from
+the second step on, each layer's range follows its values (`next_range`)."""
+
+
+def histogram_quantiles(hist: np.ndarray, lo: float, hi: float, level: float) -> np.ndarray:
+    """The `level` quantile of each row of hist [choices, bins] (counts over equal bins of [lo, hi]), read by
+    linear interpolation inside the bin where the cumulative count reaches level x the row's total. Values that
+    fell outside [lo, hi] count in the edge bins, so a quantile there is clipped to the range."""
+    hist = np.asarray(hist, dtype=np.float64)
+    bins = hist.shape[1]
+    cum = np.cumsum(hist, axis=1)
+    target = level * cum[:, -1:]
+    # First bin whose cumulative count reaches the target (a row of zeros has no quantile: its NaN is left).
+    index = np.minimum((cum < target).sum(axis=1), bins - 1)
+    rows = np.arange(hist.shape[0])
+    before = np.where(index > 0, cum[rows, np.maximum(index - 1, 0)], 0.0)
+    inside = hist[rows, index]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        frac = np.where(inside > 0, (target[:, 0] - before) / inside, 0.5)
+    quantiles = lo + (hi - lo) * (index + np.clip(frac, 0.0, 1.0)) / bins
+    return np.where(cum[:, -1] > 0, quantiles, np.nan)
+
+
+def quantile_bias(hist: np.ndarray, lo: float, hi: float, top_k: int) -> np.ndarray:
+    """The selection bias [choices] that gives every choice the same expected load: with q_e the (1 - k / choices)
+    quantile of choice e's values, bias_e = mean(q) - q_e, so each choice's biased values exceed the common level
+    mean(q) for the same share k / choices of the tokens (a token's k largest biased values choose its experts)."""
+    q = histogram_quantiles(hist, lo, hi, 1.0 - top_k / hist.shape[0])
+    return q.mean() - q
+
+
+def next_range(hist: np.ndarray, lo: float, hi: float) -> tuple[float, float]:
+    """The next step's histogram range from this step's histogram [choices, bins] over [lo, hi]: twice the span of
+    the occupied bins, centred on them; a range whose edge bin holds values (which may lie beyond it) grows by its
+    span on that side instead. An empty histogram keeps the range."""
+    occupied = np.flatnonzero(np.asarray(hist).sum(axis=0) > 0)
+    if occupied.size == 0:
+        return lo, hi
+    bins, span = hist.shape[1], hi - lo
+    first, last = int(occupied[0]), int(occupied[-1])
+    if first == 0 or last == bins - 1:
+        return lo - span * (first == 0), hi + span * (last == bins - 1)
+    a, b = lo + span * first / bins, lo + span * (last + 1) / bins
+    return a - (b - a) / 2, b + (b - a) / 2
 
 
 def load_stats(counts: np.ndarray) -> dict[str, np.ndarray]:
@@ -116,16 +164,38 @@ class MoEBalancer(Callback):
         self.freeze_step = None if cfg.freeze_at is None else math.floor(cfg.freeze_at * max_steps)
         self.balanced = [b for b in self.blocks if b.spec.selection_bias]
         self._last_sign: Tensor | None = None
+        self.rule = cfg.rule
+        self.quantile_bins = cfg.quantile_bins
+        self.quantile_rate = cfg.quantile_rate
+        self.quantile = self.rule == "quantile" and self.coeff > 0 and bool(self.balanced)
+        start = START_RANGE["logits" if self.quantile and self.balanced[0].spec.bias_on_logits else "scores"]
+        self.ranges: list[tuple[float, float]] = [start] * len(self.balanced)
+        """Each balanced block's histogram range for the next step (quantile rule; kept in checkpoints)."""
+        self._recording = False
         self.seq_aux_coeff = cfg.seq_aux_coeff
         for block in self.blocks:
             block.seq_aux = self.seq_aux_coeff > 0
         self._segments: Tensor | None = None
 
-    def start_step(self, micro_batches: Sequence[MicroBatch]) -> None:
-        """Zero the blocks' statistics before the step's first micro-batch; with the sequence-wise loss on, count
-        the step's segments over all ranks (one all-reduce on the device) and set its gradient scale."""
+    name = "moe_balance"
+
+    def active(self, step: int) -> bool:
+        """Whether step `step` (1-based) moves the biases: balancing on and not yet frozen."""
+        return self.coeff > 0 and (self.freeze_step is None or step <= self.freeze_step)
+
+    def start_step(self, micro_batches: Sequence[MicroBatch], step: int | None = None) -> None:
+        """Zero the blocks' statistics before the first micro-batch of step `step`; under the quantile rule, have
+        the routers record histograms over their ranges while the step moves the biases (not once frozen); with
+        the sequence-wise loss on, count the step's segments over all ranks (one all-reduce on the device) and set
+        its gradient scale."""
         for block in self.blocks:
             block.reset_stats()
+        self._recording = self.quantile and (step is None or self.active(step))
+        for block, (lo, hi) in zip(self.balanced, self.ranges, strict=True):
+            if self._recording:
+                block.gate.start_recording(self.quantile_bins, lo, hi)
+            else:
+                block.gate.record_choices = False
         if self.seq_aux_coeff > 0:
             device = self.blocks[0].aux_scale.device
             segments = torch.tensor(float(sum(len(mb["seq_lens"]) for mb in micro_batches)), device=device)
@@ -143,16 +213,21 @@ class MoEBalancer(Callback):
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         per_rank = torch.zeros(len(self.blocks), world, device=computed.device)
         per_rank[:, rank] = computed
-        return {
+        sums = {
             "moe/counts": torch.stack([b.tokens_per_expert for b in self.blocks]),
             "moe/confidence": torch.stack([b.routing_confidence_sum for b in self.blocks]),
             "moe/seq_aux": torch.stack([b.seq_aux_sum for b in self.blocks]),
             "moe/rank_load": per_rank,
         }
+        if self._recording:
+            # [balanced blocks, choices, bins]: under context parallelism each rank holds its own tokens' values.
+            sums["moe/choice_hist"] = torch.stack([b.gate.choice_histogram for b in self.balanced])
+        return sums
 
     def update(self, step: int, counts: np.ndarray, confidence_sums: np.ndarray, seq_aux_sums: np.ndarray | None = None,
-               rank_load: np.ndarray | None = None) -> dict[str, float]:  # fmt: skip
-        """After step `step`'s reduction: move the biases (unless off or frozen) and return the step's metrics."""
+               rank_load: np.ndarray | None = None, hist: np.ndarray | None = None) -> dict[str, float]:  # fmt: skip
+        """After step `step`'s reduction: move the biases (unless off or frozen) and return the step's metrics;
+        `hist` holds the quantile rule's global histograms [balanced blocks, choices, bins] of the step."""
         real = self.num_experts
         nulls = counts[:, real:] if self.null_experts else None
         metrics = load_metrics(counts[:, :real], confidence_sums, self.top_k, self.layers, nulls)
@@ -165,13 +240,19 @@ class MoEBalancer(Callback):
             metrics["moe/seq_aux_loss"] = self.seq_aux_coeff * float(np.sum(seq_aux_sums)) / float(self._segments)
         if not self.balanced:
             return metrics
-        active = self.coeff > 0 and (self.freeze_step is None or step <= self.freeze_step)
-        if active:
+        if self.quantile and hist is not None:
+            signs = [torch.sign(d) for d in self._quantile_update(hist)]
+            edge = hist[:, :, [0, -1]].sum(axis=(1, 2)) / hist.sum(axis=(1, 2))
+            metrics["moe/quantile/edge_share"] = float(np.mean(edge))
+        elif not self.quantile and self.active(step):
             signs = []
             for row, block in enumerate(self.blocks):
                 if block.spec.selection_bias:
                     delta = block.gate.update_selection_bias(torch.from_numpy(counts[row]), self.coeff)
                     signs.append(torch.sign(delta).cpu())
+        else:
+            signs = []
+        if signs:
             sign = torch.stack(signs)
             flips = 0.0 if self._last_sign is None else float((sign * self._last_sign < 0).sum())
             self._last_sign = sign
@@ -180,9 +261,42 @@ class MoEBalancer(Callback):
         metrics["moe/bias/abs_mean"] = float(biases.abs().mean())
         return metrics
 
+    def _quantile_update(self, hist: np.ndarray) -> list[Tensor]:
+        """Move each balanced block's bias `quantile_rate` of the way to `quantile_bias` of its histogram and set
+        its next range; returns the changes (on the host)."""
+        deltas = []
+        for row, block in enumerate(self.balanced):
+            lo, hi = self.ranges[row]
+            current = block.gate.e_score_correction_bias.detach().double().cpu().numpy()
+            if hist[row].sum() > 0:
+                target = current + self.quantile_rate * (quantile_bias(hist[row], lo, hi, self.top_k) - current)
+            else:
+                target = current  # no token reached this block in the step
+            deltas.append(block.gate.set_bias(torch.from_numpy(target)).cpu())
+            self.ranges[row] = next_range(hist[row], lo, hi)
+        return deltas
+
+    def state_dict(self) -> dict[str, Any]:
+        """The quantile rule's histogram grid (bins and each block's next range), so a resumed run bins alike."""
+        if not self.quantile:
+            return {}
+        return {"quantile_bins": self.quantile_bins, "ranges": [list(r) for r in self.ranges]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the grid; a checkpoint with another bin count or number of blocks is refused."""
+        if not self.quantile or "ranges" not in state:
+            return
+        if state["quantile_bins"] != self.quantile_bins or len(state["ranges"]) != len(self.balanced):
+            raise ValueError(
+                f"the checkpoint's quantile balancing grid ({state['quantile_bins']} bins, {len(state['ranges'])} "
+                f"blocks) differs from this run's (model.moe_balance.quantile_bins {self.quantile_bins}, "
+                f"{len(self.balanced)} blocks)"
+            )
+        self.ranges = [(float(lo), float(hi)) for lo, hi in state["ranges"]]
+
     def on_step_start(self, trainer: Trainer, micro_batches: Sequence[MicroBatch]) -> None:
         """See `start_step`."""
-        self.start_step(micro_batches)
+        self.start_step(micro_batches, trainer.step + 1)
 
     def step_sums(self, trainer: Trainer) -> dict[str, Tensor]:
         """See `device_stats`."""
@@ -191,6 +305,5 @@ class MoEBalancer(Callback):
     def on_step_reduced(self, trainer: Trainer, sums: dict[str, Any]) -> dict[str, float]:
         """Move the biases from the step's global counts (before the optimizer update) and return the routing
         metrics of step `trainer.step + 1`."""
-        return self.update(
-            trainer.step + 1, sums["moe/counts"], sums["moe/confidence"], sums["moe/seq_aux"], sums["moe/rank_load"]
-        )
+        return self.update(trainer.step + 1, sums["moe/counts"], sums["moe/confidence"], sums["moe/seq_aux"],
+                           sums["moe/rank_load"], sums.get("moe/choice_hist"))  # fmt: skip
