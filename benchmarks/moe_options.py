@@ -35,8 +35,7 @@ cores other processes used while it ran. Measured on the 2-core machine (2026-12
 load): `--smoke` took 18-40 s with the demo data already built (plus 11 s to build it); `--options xsa --seeds 0
 --steps 20` (2 runs of 24 steps side by side) took 58 s a run at 3,434 tokens/s; a lone baseline run took 0.5 s a
 step plus 8 s to start and score the held-out set. The default run (10 variants x 3 seeds: 30 runs of 100 steps)
-has not been timed yet; from those figures it should take 15-20 minutes on idle CPUs, and up to twice that with
-another process busy.
+took 17.0 minutes on idle CPUs (2026-12-04; the table is in docs/benchmarks.md).
 
 Every variant's config is validated before anything trains. An option named with `--options` whose flags the config
 does not know (an option not yet in this checkout) stops the script with the config's error; an option not named
