@@ -93,6 +93,17 @@ def test_unknown_field_names_file_and_field(base: Path, tmp_path: Path) -> None:
     assert "data.seq_lenn" in msg and bad in msg and "unknown field" in msg and "seq_len" in msg
 
 
+@pytest.mark.parametrize("model_type", ["llama", "glm4_moe"])
+def test_an_unknown_arch_field_lists_the_fields_of_its_own_architecture(base: Path, model_type: str) -> None:
+    from lmforge.model.config import Glm4MoeArch, LlamaArch
+
+    msg = error_of(["@", str(base), "--model.arch.model-type", model_type, "--model.arch.n-rooted-experts", "8"])
+    line = next(x for x in msg.splitlines() if "n_rooted_experts" in x)
+    listed = line.split("known fields here: ")[1].rstrip(")").split(", ")
+    arch = Glm4MoeArch if model_type == "glm4_moe" else LlamaArch
+    assert listed == list(arch.model_fields), line
+
+
 def test_errors_name_the_source_that_set_the_field_or_a_field_inside_it(base: Path, tmp_path: Path) -> None:
     # An unknown section set by a flag alone comes from the command line, not from the defaults.
     assert "pipeline (from the command line): unknown field" in error_of(["@", str(base), "--pipeline.stages", "2"])

@@ -158,10 +158,14 @@ def compose(argv: list[str]) -> RawConfig:
 
 
 @functools.cache
-def _field_index(model: type[BaseModel]) -> tuple[dict[str, list[str]], frozenset[str]]:
-    """Each section's field names by dotted path, and the union tags pydantic inserts into error locations."""
+def _field_index(
+    model: type[BaseModel],
+) -> tuple[dict[str, list[str]], frozenset[str], dict[tuple[str, str], list[str]]]:
+    """Each section's field names by dotted path, the union tags pydantic inserts into error locations, and the
+    field names of each union member by (dotted path, tag): a union section's own entry lists its last member's."""
     known: dict[str, list[str]] = {}
     tags: set[str] = set()
+    members: dict[tuple[str, str], list[str]] = {}
 
     def walk(section: type[BaseModel], prefix: str) -> None:
         known[prefix] = [info.alias or name for name, info in section.model_fields.items()]
@@ -171,21 +175,25 @@ def _field_index(model: type[BaseModel]) -> tuple[dict[str, list[str]], frozense
                 ann = stack.pop()
                 if isinstance(ann, type) and issubclass(ann, BaseModel):
                     key = info.alias or name
-                    walk(ann, f"{prefix}.{key}" if prefix else key)
+                    path = f"{prefix}.{key}" if prefix else key
+                    walk(ann, path)
                     # a plain union (`str | ValSetConfig`) names its member in the error location
-                    tags.add(ann.__name__)
+                    member_tags = {ann.__name__}
                     tag_field = ann.model_fields.get("type") or ann.model_fields.get("model_type")
                     if tag_field is not None:
-                        tags.update(str(a) for a in get_args(tag_field.annotation))
+                        member_tags.update(str(a) for a in get_args(tag_field.annotation))
+                    tags.update(member_tags)
+                    for tag in member_tags:
+                        members[(path, tag)] = known[path]
                 else:
                     stack.extend(get_args(ann))
 
     walk(model, "")
-    return known, frozenset(tags)
+    return known, frozenset(tags), members
 
 
 def _describe(err: Mapping[str, Any], raw: RawConfig, model: type[BaseModel]) -> str:
-    known, tags = _field_index(model)
+    known, tags, members = _field_index(model)
     dotted = ".".join(str(p) for p in err["loc"] if p not in tags) or "(root)"
     kind = err["type"]
     if kind == "missing":
@@ -202,8 +210,11 @@ def _describe(err: Mapping[str, Any], raw: RawConfig, model: type[BaseModel]) ->
     if kind == "extra_forbidden":
         parent = dotted.rsplit(".", 1)[0] if "." in dotted else ""
         msg = "unknown field"
-        if known.get(parent):
-            msg += f" (known fields here: {', '.join(known[parent])})"
+        # Inside a union the location names the member the value was checked against: list that member's fields.
+        tag = str(err["loc"][-2]) if len(err["loc"]) > 1 else ""
+        fields = members.get((parent, tag)) or known.get(parent)
+        if fields:
+            msg += f" (known fields here: {', '.join(fields)})"
     elif "input" in err and not isinstance(err["input"], dict | list):
         msg += f", got {err['input']!r}"
     return f"{dotted} (from {src}): {msg}"
@@ -238,7 +249,7 @@ def validate(model: type[BaseModel], raw: RawConfig) -> BaseModel:
     try:
         return model.model_validate(raw.values)
     except ValidationError as e:
-        _, tags = _field_index(model)
+        _, tags, _ = _field_index(model)
         lines = [_describe(err, raw, model) for err in _one_union_member(e.errors(), tags)]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
 
