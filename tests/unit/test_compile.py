@@ -40,3 +40,39 @@ def test_new_segment_layouts_do_not_recompile(backend: str) -> None:
         torch.testing.assert_close(out, eager(ids, positions, lens), atol=1e-5, rtol=1e-5)
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] > 0 and graphs[-1] == graphs[0], graphs
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointed_blocks_compile_as_one_graph_and_equal_eager(mode: str) -> None:
+    """The order `parallelize` uses: activation checkpointing, then one graph per block (sdpa). The blocks must
+    really compile (a forward torch.compile skips would fail with fullgraph=True) and give eager's loss,
+    gradients and MoE counts (recorded once per forward, not again in the recompute)."""
+    from torch._dynamo.utils import counters
+
+    from lmforge.parallel.fsdp import apply_activation_checkpointing
+    from tests.unit.test_moe import tiny_glm
+
+    torch._dynamo.reset()
+    counters.clear()
+    models = [build_model(tiny_glm(), 256, "sdpa", torch.device("cpu")) for _ in range(2)]
+    init_weights(models[0], 0.05, 0)
+    models[1].load_state_dict(models[0].state_dict())
+    compiled, eager = (m.train() for m in models)
+    apply_activation_checkpointing(list(compiled.blocks), 1, mode)
+    for block in compiled.blocks:
+        block.compile(fullgraph=True)
+    lens = torch.tensor([40, 56], dtype=torch.int32)
+    ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(1))
+    positions = torch.from_numpy(positions_from_seq_lens(lens.numpy()))[None]
+    losses = []
+    for model in (compiled, eager):
+        out = model(ids, positions, lens)
+        out.float().square().mean().backward()
+        losses.append(out)
+    assert counters["stats"]["unique_graphs"] >= 2, "a graph per kind of block: the dense one, the MoE ones"
+    torch.testing.assert_close(losses[0], losses[1], atol=1e-5, rtol=1e-5)
+    grads = {n: p.grad for n, p in eager.named_parameters()}
+    for name, param in compiled.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name], atol=1e-4, rtol=1e-4, msg=name)
+    for got, want in zip(compiled.moe_layers().values(), eager.moe_layers().values(), strict=True):
+        assert torch.equal(got.tokens_per_expert, want.tokens_per_expert)

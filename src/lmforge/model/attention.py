@@ -314,3 +314,19 @@ def resolve_backend(name: str, device: torch.device, compiled: bool = False) -> 
 def get_attention(name: str) -> AttentionFn:
     """The attention function of a resolved backend name."""
     return _FUNCTIONS[name]
+
+
+_MASK_BUILDERS: dict[AttentionFn, Callable[[DocumentMask], object]] = {
+    sdpa_attention: dense_document_mask,
+    flex_attention_fn: flex_block_mask,
+}
+"""The per-forward mask each backend caches in `DocumentMask.cache` (the others need none, or choose per row)."""
+
+
+def prepare_mask(attention: AttentionFn, mask: DocumentMask) -> None:
+    """Build the mask `attention` reads before the decoder blocks run, once per forward: a block's forward then
+    only reads the cache. Writing it from inside a checkpointed block that torch.compile traces is a side effect
+    that the checkpoint's higher-order op refuses. Context-parallel masks are built by their own first use."""
+    builder = _MASK_BUILDERS.get(attention)
+    if builder is not None and mask.shard is None:
+        builder(mask)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lmforge.model.attention import AttentionFn, DocumentMask, get_attention
+from lmforge.model.attention import AttentionFn, DocumentMask, get_attention, prepare_mask
 from lmforge.model.config import AnyArch
 from lmforge.model.context_parallel import ContextShard, context_attention
 from lmforge.model.hyper_connections import HyperConnection, collapse_stream, expand_stream, stream_rate
@@ -181,6 +181,7 @@ class DecoderModel(nn.Module):
         self.arch = arch
         self.embed_tokens = nn.Embedding(vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, attention, i) for i in range(arch.num_hidden_layers))
+        self.attention = attention
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.context: ContextShard | None = None
         """Under context parallelism (set by `lmforge.parallel.parallelize`): this rank's part of every row; the
@@ -199,6 +200,7 @@ class DecoderModel(nn.Module):
             raise ValueError(f"seq_lens add up to {mask.total}, which is not the {x.shape[0]} tokens of this row"
                              + ("" if self.context is None else f" x cp {self.context.size}"))  # fmt: skip
         cos, sin = rotary_cos_sin(position_ids, self.arch.rotary_dim, self.arch.rope_theta, x.dtype)
+        prepare_mask(self.attention, mask)
         rate = stream_rate(self.arch)
         if rate:
             x = expand_stream(x, rate)

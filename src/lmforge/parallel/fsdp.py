@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -66,7 +67,17 @@ def apply_activation_checkpointing(blocks: list[nn.Module], freq: int, mode: str
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _saved_ops())
     for i, block in enumerate(blocks):
         if i % freq == 0:
-            block.forward = functools.partial(checkpoint, block.forward, **kwargs)  # type: ignore[method-assign]
+            block.forward = _checkpointed(block.forward, kwargs)  # type: ignore[method-assign]
+
+
+def _checkpointed(forward: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., Any]:
+    """`forward` run under activation checkpointing. A closure, not a `functools.partial`: torch.compile skips a
+    partial's frame, so a block whose forward were one would compile to nothing (an error with fullgraph=True)."""
+
+    def run(*args: Any, **more: Any) -> Any:
+        return checkpoint(forward, *args, **kwargs, **more)
+
+    return run
 
 
 def parallelize(model: nn.Module, blocks: list[nn.Module], cfg: ModelConfig, ctx: DistContext) -> nn.Module:
