@@ -127,7 +127,8 @@ class Router(nn.Module):
 
     @torch.no_grad()
     def start_recording(self, bins: int, lo: float, hi: float) -> None:
-        """Record histograms of `bins` bins over [lo, hi] from the next training forward on (zeroed)."""
+        """Record histograms of `bins` bins over [lo, hi] from the next training forward on, starting from zero
+        (the quantile rule calls this before every step it records)."""
         choices = self.choice_histogram.shape[0]
         if self.choice_histogram.shape[1] != bins:
             self.choice_histogram = self.choice_histogram.new_zeros(choices, bins)
@@ -136,17 +137,9 @@ class Router(nn.Module):
         self.record_choices = True
 
     @torch.no_grad()
-    def reset_choices(self) -> None:
-        """Zero the step's histogram."""
-        self.choice_histogram.zero_()
-
-    @torch.no_grad()
-    def set_bias(self, bias: Tensor) -> Tensor:
-        """Set the selection bias (the same values on every rank); returns the change applied."""
-        new = bias.to(self.e_score_correction_bias.device, self.e_score_correction_bias.dtype)
-        delta = new - self.e_score_correction_bias
-        self.e_score_correction_bias.copy_(new)
-        return delta
+    def set_bias(self, bias: Tensor) -> None:
+        """Set the selection bias (the same values on every rank)."""
+        self.e_score_correction_bias.copy_(bias)
 
     @torch.no_grad()
     def reset_bias(self) -> None:
@@ -403,7 +396,6 @@ class MoE(nn.Module):
         self.routing_confidence_sum.zero_()
         self.seq_aux_sum.zero_()
         self.experts.tokens_computed.zero_()
-        self.gate.reset_choices()
 
     def reset_buffers(self) -> None:
         """Zero every buffer: the statistics and the selection bias (the state of a fresh init)."""

@@ -164,10 +164,9 @@ class MoEBalancer(Callback):
         self.freeze_step = None if cfg.freeze_at is None else math.floor(cfg.freeze_at * max_steps)
         self.balanced = [b for b in self.blocks if b.spec.selection_bias]
         self._last_sign: Tensor | None = None
-        self.rule = cfg.rule
         self.quantile_bins = cfg.quantile_bins
         self.quantile_rate = cfg.quantile_rate
-        self.quantile = self.rule == "quantile" and self.coeff > 0 and bool(self.balanced)
+        self.quantile = cfg.rule == "quantile" and self.coeff > 0 and bool(self.balanced)
         start = START_RANGE["logits" if self.quantile and self.balanced[0].spec.bias_on_logits else "scores"]
         self.ranges: list[tuple[float, float]] = [start] * len(self.balanced)
         """Each balanced block's histogram range for the next step (quantile rule; kept in checkpoints)."""
@@ -263,16 +262,17 @@ class MoEBalancer(Callback):
 
     def _quantile_update(self, hist: np.ndarray) -> list[Tensor]:
         """Move each balanced block's bias `quantile_rate` of the way to `quantile_bias` of its histogram and set
-        its next range; returns the changes (on the host)."""
+        its next range; returns the changes (on the host). The biases are read from the device once for all
+        blocks."""
+        current = torch.stack([b.gate.e_score_correction_bias.detach() for b in self.balanced]).double().cpu().numpy()
         deltas = []
         for row, block in enumerate(self.balanced):
             lo, hi = self.ranges[row]
-            current = block.gate.e_score_correction_bias.detach().double().cpu().numpy()
+            delta = np.zeros_like(current[row])  # unchanged when no token reached this block in the step
             if hist[row].sum() > 0:
-                target = current + self.quantile_rate * (quantile_bias(hist[row], lo, hi, self.top_k) - current)
-            else:
-                target = current  # no token reached this block in the step
-            deltas.append(block.gate.set_bias(torch.from_numpy(target)).cpu())
+                delta = self.quantile_rate * (quantile_bias(hist[row], lo, hi, self.top_k) - current[row])
+            block.gate.set_bias(torch.from_numpy(current[row] + delta))
+            deltas.append(torch.from_numpy(delta))
             self.ranges[row] = next_range(hist[row], lo, hi)
         return deltas
 
