@@ -19,7 +19,8 @@ from lmforge.model.generate import KVCache, forward_with_cache
 from lmforge.model.hf_config import RESEARCH_MODEL_TYPE, arch_to_hf_config, read_hf_config
 from lmforge.model.hyper_connections import HyperConnection
 from lmforge.model.init import declared_init_rules, init_role, init_weights
-from lmforge.model.llama import CausalLM, RMSNorm
+from lmforge.model.llama import CausalLM
+from lmforge.model.norm import RMSNorm
 from lmforge.model.params import count_params
 from lmforge.model.roles import param_role
 from lmforge.optim import build_optimizer
@@ -155,7 +156,7 @@ def test_hyper_connection_parameters_train_with_adamw_without_decay(cfg: MuonCon
     model = build_model(tiny_glm(hyper_connections=2), VOCAB, "sdpa", CPU)
     hc = list(_hc_params(model))
     assert {param_role(name, p.ndim) for name, p in _hc_params(model).items()} == {"hyper"}
-    optimizers = build_optimizer(model, cfg, CPU).optimizers
+    optimizers = build_optimizer(model, cfg).optimizers
     adamw = [opt for opt in optimizers if isinstance(opt, torch.optim.AdamW)]
     assert len(adamw) == 1
     groups = {g["name"]: g for g in adamw[0].param_groups}

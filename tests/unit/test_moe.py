@@ -14,9 +14,10 @@ from lmforge.model.attention import DocumentMask
 from lmforge.model.completep import completep_scale
 from lmforge.model.config import Glm4MoeArch, MoESpec, Qwen3MoeArch
 from lmforge.model.init import init_weights
-from lmforge.model.llama import MLP, CausalLM, rotary_cos_sin
+from lmforge.model.llama import MLP, CausalLM
 from lmforge.model.moe import MoE
 from lmforge.model.roles import DECAYED_ROLES, MATRIX_ROLES, param_role
+from lmforge.model.rotary import rotary_cos_sin
 
 CPU = torch.device("cpu")
 VOCAB = 256

@@ -167,7 +167,7 @@ def test_grid_is_checkpointed_and_a_different_grid_is_refused() -> None:
 
 def test_a_compiled_block_records_the_eager_histogram_and_a_new_range_does_not_recompile() -> None:
     from lmforge.model.attention import DocumentMask
-    from lmforge.model.llama import rotary_cos_sin
+    from lmforge.model.rotary import rotary_cos_sin
 
     model = glm_model(router_bias_on_logits=True)
     block = model.blocks[1]

@@ -15,7 +15,8 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from lmforge.model.hyper_connections import HyperConnection, collapse_stream, expand_stream, stream_rate
-from lmforge.model.llama import CausalLM, DecoderLayer, rotary_cos_sin
+from lmforge.model.llama import CausalLM, DecoderLayer
+from lmforge.model.rotary import rotary_cos_sin
 
 
 class KVCache:

@@ -18,51 +18,9 @@ from lmforge.model.hyper_connections import HyperConnection, collapse_stream, ex
 from lmforge.model.loss import head_cross_entropy, head_token_losses
 from lmforge.model.mlp import MLP
 from lmforge.model.moe import MoE
+from lmforge.model.norm import RMSNorm
 from lmforge.model.params import ParamCounts, active_fractions, count_params
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in fp32, scaled by a learned weight (HF convention)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Normalize over the last dimension."""
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-def rotary_cos_sin(position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and sin tables [T, head_dim] for the given positions (HF's half-split layout, computed in fp32).
-
-    With partial RoPE, pass the rotary width (`arch.rotary_dim`) as head_dim: the frequencies depend on it."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.int64).float() / head_dim)
-    )
-    freqs = position_ids.reshape(-1).float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x [T, heads, head_dim] by the position tables [T, rotary_dim]: the leading rotary_dim channels of each
-    head turn, the rest pass through (partial RoPE, as transformers' GLM-4.5)."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    rotary = cos.shape[-1]
-    if rotary == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
-    turned, kept = x[..., :rotary], x[..., rotary:]
-    return torch.cat((turned * cos + _rotate_half(turned) * sin, kept), dim=-1)
+from lmforge.model.rotary import apply_rotary, rotary_cos_sin
 
 
 def exclusive(out: Tensor, v: Tensor) -> Tensor:

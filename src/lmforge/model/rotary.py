@@ -1,0 +1,69 @@
+"""Rotary position embeddings (RoPE) in HF's half-split layout, with a hand-written backward.
+
+A head's channels are two halves (x1, x2) turned by the angle of the token's position:
+`out = x * cos + rotate_half(x) * sin` with `rotate_half(x) = (-x2, x1)`. Left to autograd, the rotation's backward
+runs the slices' backward (zero-filled copies) and a concatenation's; but the rotation is orthogonal, so its
+gradient is the same rotation by the opposite angle, `grad_x = g * cos - rotate_half(g) * sin`, which
+`RotaryFunction` computes in the forward's three passes. That identity needs cos and sin equal on both halves, which
+`rotary_cos_sin` guarantees (its tables are the frequencies twice over).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def rotary_cos_sin(position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin tables [T, head_dim] for the given positions (HF's half-split layout, computed in fp32).
+
+    With partial RoPE, pass the rotary width (`arch.rotary_dim`) as head_dim: the frequencies depend on it."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.int64).float() / head_dim)
+    )
+    freqs = position_ids.reshape(-1).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _turn(x: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Tensor:
+    """x * cos + rotate_half(x) * sin, or with `backward` the opposite turn x * cos - rotate_half(x) * sin.
+
+    rotate_half(x) * sin = swap_halves(x) * (-sin1, sin1) for sin = (sin1, sin1): one flip and one fused multiply-add
+    instead of slices, a negation and a concatenation."""
+    half = x.shape[-1] // 2
+    swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
+    signed = sin.unflatten(-1, (2, half)) * _HALF_SIGNS.to(sin.device, sin.dtype)
+    return torch.addcmul(x * cos, swapped, signed.flatten(-2), value=-1 if backward else 1)
+
+
+_HALF_SIGNS = torch.tensor([[-1.0], [1.0]])
+"""The signs of sin's halves in rotate_half(x) * sin, shaped to multiply sin unflattened into [..., 2, D / 2]."""
+
+
+class RotaryFunction(torch.autograd.Function):
+    """x [..., D] turned by cos and sin [..., D] (broadcast to x; both halves of each equal)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _turn(x, cos, sin, backward=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        return _turn(grad_out, cos, sin, backward=True), None, None
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [T, heads, head_dim] by the position tables [T, rotary_dim] of `rotary_cos_sin`: the leading
+    rotary_dim channels of each head turn, the rest pass through (partial RoPE, as transformers' GLM-4.5). The
+    tables carry no gradient."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return RotaryFunction.apply(x, cos, sin)  # type: ignore[no-any-return]
+    turned, kept = x[..., :rotary], x[..., rotary:]
+    return torch.cat((RotaryFunction.apply(turned, cos, sin), kept), dim=-1)
