@@ -73,6 +73,20 @@ def test_attention_switch_smoke_reports_both_backends(tmp_path: Path) -> None:
     assert "per-segment" in result.stdout and "masked" in result.stdout
 
 
+def test_causal_split_smoke_times_both_sides(tmp_path: Path) -> None:
+    from lmforge.model.cpu_attention import CPU_SPLIT_LENGTHS
+
+    out = tmp_path / "split.json"
+    script = ROOT / "benchmarks" / "causal_split.py"
+    cmd = [sys.executable, str(script), "--smoke", "--rows", "128", "--json", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["length"], r["split"]) for r in rows] == [(CPU_SPLIT_LENGTHS[0] - 1, False), (512, True)]
+    assert all(r["plain_ms"] > 0 and r["lmforge_ms"] > 0 and r["rows_128_ms"] > 0 for r in rows)
+    assert "lmforge / plain" in result.stdout and "rows=128" in result.stdout
+
+
 def test_data_benchmark_smoke(tmp_path: Path) -> None:
     out = tmp_path / "data.json"
     script = ROOT / "benchmarks" / "data.py"

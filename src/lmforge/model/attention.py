@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lmforge.model.cpu_attention import cpu_segment_attention, equal_length_runs
+
 if TYPE_CHECKING:
     from lmforge.model.context_parallel import ContextShard
 
@@ -40,7 +42,6 @@ CPU_MASK_AREA_PER_SEGMENT = 4096
 and as one SDPA with the block-diagonal mask above. The masked kernel costs about T x T; the loop about a fixed
 overhead per call on top of its (smaller) work. Measured with `benchmarks/attention_switch.py` (docs/benchmarks.md):
 the loop stops being faster at 16 segments of 16 tokens for T = 256, 64 for T = 512 and ~330 for T = 1024."""
-
 
 @dataclass
 class DocumentMask:
@@ -117,23 +118,15 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tenso
     return _from_bhtd(out)
 
 
-def equal_length_runs(seq_lens: list[int]) -> list[tuple[int, int]]:
-    """(segment length, count) of each run of consecutive equal-length segments, in order."""
-    runs: list[tuple[int, int]] = []
-    for n in seq_lens:
-        if runs and runs[-1][0] == n:
-            runs[-1] = (n, runs[-1][1] + 1)
-        else:
-            runs.append((n, 1))
-    return runs
-
-
 # Compiled blocks run the per-row choice and the per-segment loop eagerly, between two compiled graphs: traced,
 # the loop over a row's segments would make every new layout recompile (tests/unit/test_compile.py).
 @torch.compiler.disable
 def sdpa_loop_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
     """Causal SDPA per segment; consecutive segments of one length go in one batched call (a row of whole
-    windows, the layout without document masking, is a single call)."""
+    windows, the layout without document masking, is a single call). On the CPU, the flash kernel's calls with a
+    backward of their own (`lmforge.model.cpu_attention`)."""
+    if q.device.type == "cpu":
+        return cpu_segment_attention(q, k, v, mask.seq_lens)
     gqa = q.shape[1] != k.shape[1]
     outs, start = [], 0
     for length, count in equal_length_runs(mask.seq_lens):

@@ -1,0 +1,120 @@
+"""The CPU's per-segment attention (`sdpa_loop` and `auto` on the CPU): exact against explicit-mask softmax, split
+calls only where they pay, and gradients written per run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lmforge.model.cpu_attention as cpu_attention
+from lmforge.model.attention import DocumentMask, get_attention
+from lmforge.model.cpu_attention import CPU_SPLIT_LENGTHS, cpu_segment_attention, pieces
+
+LOW, HIGH = CPU_SPLIT_LENGTHS
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    """Softmax attention per segment with an explicit causal mask, key/value heads repeated: independent math."""
+    groups = q.shape[1] // k.shape[1]
+    outs = []
+    for qs, ks, vs in zip(q.split(seq_lens), k.split(seq_lens), v.split(seq_lens), strict=True):
+        ks, vs = ks.repeat_interleave(groups, 1), vs.repeat_interleave(groups, 1)
+        scores = torch.einsum("thd,shd->hts", qs, ks) / qs.shape[-1] ** 0.5
+        n = qs.shape[0]
+        scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        outs.append(torch.einsum("hts,shd->thd", scores.softmax(-1), vs))
+    return torch.cat(outs)
+
+
+def qkv(total: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """q [total, 4, 8], k and v [total, 2, 8] (grouped-query), requiring gradients."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(total, h, 8, generator=g, dtype=dtype).requires_grad_() for h in (4, 2, 2)]
+
+
+@pytest.mark.parametrize(
+    "seq_lens",
+    [
+        [512],  # one window: split
+        [LOW, LOW + 1, HIGH - 1],  # both ends of the split range, an odd length
+        [LOW - 1, HIGH],  # just outside it: one call each
+        [300, 300, 300, 40, 40, 7, 1, 1, 600],  # runs of equal lengths, split and not, one-token segments
+    ],
+)
+def test_equals_explicit_mask_softmax_with_gradients(seq_lens: list[int]) -> None:
+    q, k, v = qkv(sum(seq_lens), torch.float64, seed=len(seq_lens))
+    out = cpu_segment_attention(q, k, v, seq_lens)
+    ref = reference(q, k, v, seq_lens)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    grad_out = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    for got, want in zip(grads, torch.autograd.grad(ref, (q, k, v), grad_out), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+
+
+def test_float32_matches_torch_sdpa_per_segment() -> None:
+    # In the training dtype, against F.scaled_dot_product_attention called once per segment.
+    seq_lens = [512, 512, 130, 382]
+    q, k, v = qkv(sum(seq_lens), torch.float32, seed=3)
+    out = cpu_segment_attention(q, k, v, seq_lens)
+    parts = []
+    for qs, ks, vs in zip(q.split(seq_lens), k.split(seq_lens), v.split(seq_lens), strict=True):
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), is_causal=True, enable_gqa=True
+        )
+        parts.append(o.transpose(0, 1))
+    ref = torch.cat(parts)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=0)
+    grad_out = torch.randn_like(out)
+    for got, want in zip(
+        torch.autograd.grad(out, (q, k, v), grad_out), torch.autograd.grad(ref, (q, k, v), grad_out), strict=True
+    ):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def test_split_only_inside_its_lengths() -> None:
+    def layout(length: int) -> list[tuple[slice, int, bool]]:
+        return [(p.rows, p.keys, p.causal) for p in pieces(length)]
+
+    assert layout(512) == [(slice(64 * i, 64 * (i + 1)), 64 * (i + 1), i == 0) for i in range(8)]
+    # 301 tokens: 5 calls of 60-61 queries, each over the keys up to its last query.
+    assert layout(301) == [(slice(0, 60), 60, True), (slice(60, 120), 120, False), (slice(120, 181), 181, False),
+                           (slice(181, 241), 241, False), (slice(241, 301), 301, False)]  # fmt: skip
+    for length in (1, LOW - 1, HIGH, 2048):
+        assert layout(length) == [(slice(0, length), length, True)]
+    for length in (LOW, HIGH - 1):
+        assert layout(length)[-1][:2] == (slice(layout(length)[-1][0].start, length), length)
+    mask = pieces(384)[2].mask(torch.float32)  # rows 128..191 over 192 keys
+    assert mask is not None and mask.shape == (64, 192)
+    assert torch.equal(mask == 0, torch.ones(64, 192, dtype=torch.bool).tril(128))
+
+
+def test_kernel_calls_per_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Whole windows are one batched call per piece; a document-masked row one call per run of equal lengths.
+    calls: list[tuple[int, int, int, bool]] = []
+    flash = cpu_attention._flash
+
+    def counting(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: object, **kwargs: object) -> object:
+        calls.append((q.shape[0], q.shape[2], k.shape[2], kwargs.get("attn_mask") is not None))
+        return flash(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_attention, "_flash", counting)
+    q, k, v = (x.detach() for x in qkv(8 * 512, torch.float32, seed=0))
+    mask = DocumentMask.from_seq_lens(torch.tensor([512] * 8), q.device)
+    get_attention("auto")(q, k, v, mask)
+    assert calls == [(8, 64, 64 * (i + 1), i > 0) for i in range(8)]
+    calls.clear()
+    cpu_segment_attention(q[:650], k[:650], v[:650], [100, 100, 150, 300])
+    assert calls == [(2, 100, 100, False), (1, 150, 150, False)] + [(1, 60, 60 * (i + 1), i > 0) for i in range(5)]
+
+
+def test_bf16_runs_and_stays_close() -> None:
+    seq_lens = [400, 64]
+    q, k, v = (x.detach().bfloat16().requires_grad_() for x in qkv(sum(seq_lens), torch.float32, seed=5))
+    out = cpu_segment_attention(q, k, v, seq_lens)
+    assert out.dtype == torch.bfloat16
+    ref = reference(q.double(), k.double(), v.double(), seq_lens)
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=0)
+    out.float().square().sum().backward()
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+    assert q.grad.dtype == torch.bfloat16 and bool(torch.isfinite(k.grad.float()).all())
