@@ -100,7 +100,7 @@ def build(settings: Settings, ctx: DistContext, init: bool) -> tuple[nn.Module, 
     if init:
         init_weights(model, settings.init_std, settings.init_seed)
     model = parallelize(model, model.blocks, ModelConfig(arch=arch, attn="sdpa", param_dtype="float32"), ctx)
-    return model, build_optimizer(model, AdamWConfig(lr=settings.lr), ctx.device)
+    return model, build_optimizer(model, AdamWConfig(lr=settings.lr))
 
 
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:

@@ -54,7 +54,7 @@ def test_retention_rule(steps: list[int], keep_last: int, keep_interval: int | N
 def _trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = build_model(tiny_llama(), 256, "sdpa", CPU)
     init_weights(model, 0.02, seed)
-    optimizer = build_optimizer(model, AdamWConfig(lr=1e-2), CPU)
+    optimizer = build_optimizer(model, AdamWConfig(lr=1e-2))
     ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(seed))
     model(ids, torch.arange(32)[None], torch.tensor([32], dtype=torch.int32)).float().square().mean().backward()
     optimizer.step()
@@ -127,7 +127,7 @@ def test_sharded_save_and_load_restore_model_and_optimizer(ctx: DistContext, tmp
         model = build_model(tiny_llama(), 256, "sdpa", ctx.device)
         init_weights(model, 0.02, seed=int(lr * 1000))
         model = parallelize(model, model.blocks, cfg, ctx)
-        return model, build_optimizer(model, AdamWConfig(lr=lr), ctx.device)
+        return model, build_optimizer(model, AdamWConfig(lr=lr))
 
     model, optimizer = build(1e-2)
     ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0)).to(ctx.device)

@@ -60,7 +60,7 @@ def test_folded_multipliers_train_like_explicit_ones(one_thread: None) -> None:
             module.register_forward_hook(lambda mod, args, out, c=c: out * c)
 
     cfg = AdamWConfig(lr=1e-2, weight_decay=0.1, eps=1e-6, max_norm=0)
-    opt_folded = build_optimizer(folded, cfg, CPU, scale)
+    opt_folded = build_optimizer(folded, cfg, scale)
     groups = []
     for group in opt_folded.param_groups:  # the same parameters, with CompleteP's unfolded factors
         unfolded = completep_scale("hidden" if group["name"] == "residual_out" else group["name"], m_n, m_l)
@@ -99,7 +99,7 @@ def _activation_change(arch: LlamaArch, scheme: str, base: tuple[int, int], lr: 
         return list(outputs)
 
     before = activations()
-    opt = build_optimizer(model, AdamWConfig(lr=lr, weight_decay=0.0, max_norm=0), CPU, scale)
+    opt = build_optimizer(model, AdamWConfig(lr=lr, weight_decay=0.0, max_norm=0), scale)
     for step in range(10):
         _loss(model, _batch(step)).backward()
         opt.step()

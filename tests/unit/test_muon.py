@@ -337,7 +337,7 @@ def test_fsdp2_two_ranks_equals_single_process(tmp_path: Path) -> None:
 def test_build_optimizer_expert_stacks(muon_experts: bool) -> None:
     model = build_model(tiny_qwen3_moe(), 256, "sdpa", torch.device("cpu"))
     cfg = MuonConfig(lr=0.02, muon_experts=muon_experts, adamw_params=["model.layers.1.mlp.experts.down_proj"])
-    muon, adamw = build_optimizer(model, cfg, torch.device("cpu")).optimizers
+    muon, adamw = build_optimizer(model, cfg).optimizers
     assert isinstance(muon, Muon) and isinstance(adamw, torch.optim.AdamW)
     names = {opt: {g["name"]: g["param_names"] for g in opt.param_groups} for opt in (muon, adamw)}
     stacks = {

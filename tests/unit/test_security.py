@@ -139,7 +139,7 @@ def ctx() -> Iterator[DistContext]:
 
 def _checkpoint(ctx: DistContext, run: Path) -> tuple[Path, torch.nn.Module, torch.optim.Optimizer]:
     model = build_model(tiny_llama(), 256, "sdpa", CPU)
-    optimizer = build_optimizer(model, AdamWConfig(lr=1e-3), CPU)
+    optimizer = build_optimizer(model, AdamWConfig(lr=1e-3))
     ckpt = Checkpointer(run, CkptConfig(), ctx, {})
     ckpt.save(1, model, optimizer, {"tokens_seen": 0, "schedule_start": 0, "data": {}})
     ckpt.close()

@@ -32,7 +32,7 @@ class _OptimFields(Section):
 
 
 class AdamWConfig(_OptimFields):
-    """`optim.type = "adamw"`: decoupled weight decay Adam (fused on CUDA) for every parameter."""
+    """`optim.type = "adamw"`: decoupled weight decay Adam (PyTorch's fused kernel) for every parameter."""
 
     type: Literal["adamw"] = "adamw"
     """Optimizer: AdamW."""

@@ -119,7 +119,7 @@ class Trainer:
         if resume_from is None:
             self._initialize_weights(scale)
         balancer = self._moe_balancer()
-        self.optimizer = build_optimizer(self.model, config.optim, ctx.device, scale, config.schedule, config.max_steps)
+        self.optimizer = build_optimizer(self.model, config.optim, scale, config.schedule, config.max_steps)
         state = self._resume(resume_from) if resume_from is not None else {}
         self.data = open_stream(source, config.max_steps, self.step, state.get("data"), ctx.device.type == "cuda")
         self.data_summary = summarize(source)
