@@ -1,12 +1,18 @@
 """Where `model.attn = "auto"` switches on the CPU: per-segment causal SDPA against SDPA with a block-diagonal mask.
 
-For rows of T tokens cut into S equal segments, the script times forward + backward of one attention call with
-each of the two CPU backends (`sdpa_loop`: one fused causal SDPA per segment; `sdpa`: one SDPA over the row with a
-[T, T] boolean mask, which PyTorch runs with its math kernel) and prints their ratio. `auto` runs the loop while
-S x `CPU_MASK_AREA_PER_SEGMENT` <= T x T; the table shows where the loop stops being faster and what `auto` runs.
+For rows of T tokens cut into S segments, the script times forward + backward of one attention call with each of
+the two CPU backends (`sdpa_loop`: the fused causal kernel per run of equal-length segments; `sdpa`: one SDPA over
+the row with a [T, T] boolean mask, which PyTorch runs with its math kernel) and prints their ratio. `auto` runs
+the loop while its calls x `CPU_MASK_AREA_PER_CALL` <= T x T; the table shows where the loop stops being faster and what
+`auto` runs.
 
-    .venv/bin/python benchmarks/attention_switch.py [--lengths 1024,2048,4096] [--heads 8] [--kv-heads 4]
-                                                    [--head-dim 32] [--threads 2] [--repeats 7] [--json PATH]
+The segments alternate between two lengths around T / S (`--layout varied`, the default), so no two neighbours share
+a length and the loop makes one kernel call per segment, as with real documents; `--layout equal` cuts the row into
+equal segments, which the loop batches into a single call (its best case).
+
+    .venv/bin/python benchmarks/attention_switch.py [--lengths 1024,2048,4096] [--layout varied|equal] [--heads 8]
+                                                    [--kv-heads 4] [--head-dim 32] [--threads 2] [--repeats 7]
+                                                    [--json PATH]
     .venv/bin/python benchmarks/attention_switch.py --smoke
 
 Both backends run in the same process, alternating per layout, and the median of the repeats counts.
@@ -25,7 +31,13 @@ import torch
 
 import common
 from cpu_load import settle
-from lmforge.model.attention import CPU_MASK_AREA_PER_SEGMENT, DocumentMask, choose_backend, get_attention
+from lmforge.model.attention import (
+    CPU_MASK_AREA_PER_CALL,
+    DocumentMask,
+    choose_backend,
+    equal_length_runs,
+    get_attention,
+)
 
 
 def time_backend(name: str, seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, repeats: int) -> float:
@@ -53,11 +65,26 @@ def equal_segments(total: int, count: int) -> list[int]:
     return [base + (i < extra) for i in range(count)]
 
 
+def varied_segments(total: int, count: int) -> list[int]:
+    """`count` segment lengths adding up to `total` that alternate between about half and 1.5 times the mean, so
+    that neighbours differ (where the mean is at least 2 tokens)."""
+    lens = equal_segments(total, count)
+    for i in range(0, count - 1, 2):
+        shift = lens[i] // 2
+        lens[i] -= shift
+        lens[i + 1] += shift
+    return lens
+
+
+LAYOUTS = {"varied": varied_segments, "equal": equal_segments}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="1024,2048,4096", help="row lengths T, comma-separated")
     parser.add_argument("--segments", default="1,2,4,8,12,16,24,32,48,64,128", help="segment counts S")
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="varied", help="segment lengths (see above)")
     parser.add_argument("--heads", type=int, default=8, help="query heads")
     parser.add_argument("--kv-heads", type=int, default=4, help="key/value heads")
     parser.add_argument("--head-dim", type=int, default=32, help="head dimension")
@@ -83,22 +110,24 @@ def main(argv: list[str] | None = None) -> int:
         for count in (int(s) for s in args.segments.split(",")):
             if count > total:
                 continue
-            lens = equal_segments(total, count)
+            lens = LAYOUTS[args.layout](total, count)
             shape = (args.heads, args.kv_heads, args.head_dim, args.repeats)
             loop, dense = (time_backend(name, lens, *shape) for name in ("sdpa_loop", "sdpa"))
-            rows.append({"tokens": total, "segments": count, "loop_ms": loop, "dense_ms": dense})
+            calls = len(equal_length_runs(lens))
+            rows.append({"tokens": total, "segments": count, "calls": calls, "loop_ms": loop, "dense_ms": dense})
     console = common.make_console()
     table = common.result_table(
         f"CPU attention, forward + backward, {args.heads} heads / {args.kv_heads} KV heads of {args.head_dim}, "
-        f"{args.threads} threads; auto loops while S x {CPU_MASK_AREA_PER_SEGMENT} <= T x T",
-        ["T", "segments", "mean length", "per-segment ms", "masked ms", "masked / per-segment", "auto runs"],
-    )
+        f"{args.threads} threads, {args.layout} segments; auto loops while calls x {CPU_MASK_AREA_PER_CALL} <= T x T",
+        ["T", "segments", "mean length", "loop calls", "per-segment ms", "masked ms", "masked / per-segment",
+         "auto runs"],
+    )  # fmt: skip
     for r in rows:
-        lens = equal_segments(r["tokens"], r["segments"])
+        lens = LAYOUTS[args.layout](r["tokens"], r["segments"])
         auto = "per-segment" if choose_backend(lens, torch.device("cpu")) == "sdpa_loop" else "masked"
         table.add_row(
-            str(r["tokens"]), str(r["segments"]), str(r["tokens"] // r["segments"]), f"{r['loop_ms']:.2f}",
-            f"{r['dense_ms']:.2f}", f"{r['dense_ms'] / r['loop_ms']:.2f}x", auto,
+            str(r["tokens"]), str(r["segments"]), str(r["tokens"] // r["segments"]), str(r["calls"]),
+            f"{r['loop_ms']:.2f}", f"{r['dense_ms']:.2f}", f"{r['dense_ms'] / r['loop_ms']:.2f}x", auto,
         )  # fmt: skip
     console.print(table)
     common.write_json(args.json, {"settings": vars(args) | {"json": None}, "rows": rows})

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lmforge.model.attention import (
-    CPU_MASK_AREA_PER_SEGMENT,
+    CPU_MASK_AREA_PER_CALL,
     DocumentMask,
     backend_available,
     choose_backend,
@@ -33,11 +33,11 @@ def _per_segment(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     return torch.cat(outs)
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
     """Independent math: softmax attention per segment with an explicit causal mask, kv heads repeated."""
     groups = q.shape[1] // k.shape[1]
     outs = []
-    for qs, ks, vs in zip(q.split(SEQ_LENS), k.split(SEQ_LENS), v.split(SEQ_LENS), strict=True):
+    for qs, ks, vs in zip(q.split(seq_lens), k.split(seq_lens), v.split(seq_lens), strict=True):
         ks, vs = ks.repeat_interleave(groups, 1), vs.repeat_interleave(groups, 1)
         scores = torch.einsum("thd,shd->hts", qs, ks) / qs.shape[-1] ** 0.5
         n = qs.shape[0]
@@ -52,7 +52,8 @@ def _check(name: str, device: str, dtype: torch.dtype, atol: float, backward: bo
     packed = get_attention(name)(q, k, v, DocumentMask.from_seq_lens(torch.tensor(SEQ_LENS), q.device))
     alone = _per_segment(name, q, k, v)
     torch.testing.assert_close(packed, alone, atol=atol, rtol=0)
-    torch.testing.assert_close(packed.float(), _reference(q.float(), k.float(), v.float()), atol=atol * 10, rtol=0)
+    expected = reference(q.float(), k.float(), v.float(), SEQ_LENS)
+    torch.testing.assert_close(packed.float(), expected, atol=atol * 10, rtol=0)
     if not backward:
         return
     grad_out = torch.randn_like(packed)
@@ -70,7 +71,7 @@ def test_cpu_backends_forward_and_backward(name: str) -> None:
 def test_auto_is_exact_past_the_switch_point(monkeypatch: pytest.MonkeyPatch) -> None:
     # With more segments than the switch point, auto runs the masked kernel: still packed == per segment.
     lens = [3, 1, 7, 2, 5] * 4
-    assert len(lens) * CPU_MASK_AREA_PER_SEGMENT > sum(lens) ** 2
+    assert len(equal_length_runs(lens)) * CPU_MASK_AREA_PER_CALL > sum(lens) ** 2
     assert choose_backend(lens, torch.device("cpu")) == "sdpa"
     monkeypatch.setattr(f"{__name__}.SEQ_LENS", lens)
     _check("auto", "cpu", torch.float32, atol=1e-5, backward=True)
@@ -115,10 +116,14 @@ def test_segments_do_not_see_each_other() -> None:
 def test_auto_picks_per_segment_sdpa_for_few_segments_on_cpu() -> None:
     cpu = torch.device("cpu")
     assert choose_backend([512], cpu) == "sdpa_loop"
-    assert choose_backend([16] * 16, cpu) == "sdpa_loop"  # T = 256: 16 segments is the switch point
-    assert choose_backend([15] * 17 + [1], cpu) == "sdpa"
-    assert choose_backend([4] * 256, cpu) == "sdpa_loop"  # T = 1024 takes up to 256
-    assert choose_backend([2] * 512, cpu) == "sdpa"
+    # The loop costs about one fixed share per kernel call, one per run of equal-length neighbours.
+    varied = [10, 22] * 5 + [12, 24] * 3  # T = 268 in 16 calls: past the switch point (~13)
+    assert choose_backend(varied, cpu) == "sdpa"
+    assert choose_backend([10, 22] * 5 + [96], cpu) == "sdpa_loop"  # 11 calls
+    assert choose_backend([16] * 16, cpu) == "sdpa_loop"  # the same 16 segments with one length: one call
+    assert choose_backend([1] * 1024, cpu) == "sdpa_loop"
+    assert choose_backend([3, 5] * 128, cpu) == "sdpa"  # T = 1024 in 256 calls (the switch is at ~190)
+    assert choose_backend([3, 5] * 64 + [512], cpu) == "sdpa_loop"  # 129 calls
     # The choice is made once per row and shared by every layer of the forward pass.
     q, k, v = _qkv(512, 4, 2, 16, torch.float32, "cpu", grad=False)
     mask = DocumentMask.from_seq_lens(torch.tensor([512]), q.device)

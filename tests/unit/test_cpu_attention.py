@@ -9,21 +9,9 @@ import torch
 import lmforge.model.cpu_attention as cpu_attention
 from lmforge.model.attention import DocumentMask, get_attention
 from lmforge.model.cpu_attention import CPU_SPLIT_LENGTHS, cpu_segment_attention, pieces
+from tests.unit.test_attention import reference
 
 LOW, HIGH = CPU_SPLIT_LENGTHS
-
-
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-    """Softmax attention per segment with an explicit causal mask, key/value heads repeated: independent math."""
-    groups = q.shape[1] // k.shape[1]
-    outs = []
-    for qs, ks, vs in zip(q.split(seq_lens), k.split(seq_lens), v.split(seq_lens), strict=True):
-        ks, vs = ks.repeat_interleave(groups, 1), vs.repeat_interleave(groups, 1)
-        scores = torch.einsum("thd,shd->hts", qs, ks) / qs.shape[-1] ** 0.5
-        n = qs.shape[0]
-        scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
-        outs.append(torch.einsum("hts,shd->thd", scores.softmax(-1), vs))
-    return torch.cat(outs)
 
 
 def qkv(total: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:

@@ -37,11 +37,12 @@ if TYPE_CHECKING:
 BACKENDS = ("flash", "varlen", "flex", "sdpa", "sdpa_loop")
 """Names accepted by `model.attn`, besides `auto`."""
 
-CPU_MASK_AREA_PER_SEGMENT = 4096
-"""On the CPU, `auto` runs a row of T tokens in S segments as one causal SDPA per segment while S x this <= T x T,
-and as one SDPA with the block-diagonal mask above. The masked kernel costs about T x T; the loop about a fixed
-overhead per call on top of its (smaller) work. Measured with `benchmarks/attention_switch.py` (docs/benchmarks.md):
-the loop stops being faster at 16 segments of 16 tokens for T = 256, 64 for T = 512 and ~330 for T = 1024."""
+CPU_MASK_AREA_PER_CALL = 5500
+"""On the CPU, `auto` runs a row of T tokens as the per-segment loop while its kernel calls (one per run of
+equal-length neighbours) x this <= T x T, and as one SDPA with the block-diagonal mask above. The masked kernel
+costs about T x T; the loop about a fixed cost per call on top of its (smaller) work. Measured with
+`benchmarks/attention_switch.py` (docs/benchmarks.md) on segments whose neighbours differ in length: the loop
+stops being faster at about 10 calls for T = 256, 48 for T = 512, 190 for T = 1024 and 768 for T = 2048."""
 
 @dataclass
 class DocumentMask:
@@ -230,7 +231,7 @@ def choose_backend(seq_lens: list[int], device: torch.device) -> str:
         # of the fused causal SDPA kernel; other layouts are flex attention's block-sparse kernel.
         return "sdpa_loop" if len(set(seq_lens)) == 1 else "flex"
     total = sum(seq_lens)
-    return "sdpa_loop" if len(seq_lens) * CPU_MASK_AREA_PER_SEGMENT <= total * total else "sdpa"
+    return "sdpa_loop" if len(equal_length_runs(seq_lens)) * CPU_MASK_AREA_PER_CALL <= total * total else "sdpa"
 
 
 def describe_backend(name: str, device: torch.device) -> str:
@@ -250,8 +251,8 @@ def describe_backend(name: str, device: torch.device) -> str:
             "kernel here)"
         )
     return (
-        "auto: one causal SDPA per segment (the fused kernel), or SDPA with a block-diagonal mask for rows of T "
-        f"tokens in more than T x T / {CPU_MASK_AREA_PER_SEGMENT} segments, where that was measured faster"
+        "auto: the fused causal kernel per run of equal-length segments, or SDPA with a block-diagonal mask for rows "
+        f"of T tokens that would need more than T x T / {CPU_MASK_AREA_PER_CALL} calls, where that was measured faster"
     )
 
 
