@@ -14,28 +14,34 @@ in one micro-batch per process (8 windows of 512 on one process, 4 per rank on t
   `torch.compile` on the whole model; step times from its own clock.
 - `torchtitan` (0.3.0) and `litgpt` (0.5.13), each installed from PyPI into its own virtual environment under
   `benchmarks/.peers/<name>/` with the torch of lmforge's environment, and launched by `benchmarks/peer_shims.py`
-  (which says what each needs to run on the CPU); step times from their own log lines. litgpt cannot run on
+  (which says what each needs to run on the CPU); step times from their own log lines. `torchtitan compiled` is
+  torchtitan with its own `--compile.enable`; litgpt always compiles. litgpt cannot run on
   2 CPU processes (its pretraining uses Lightning's FSDP strategy for more than one device, which Lightning allows
   only on GPUs), so that side is reported as skipped.
 
 Each side runs `--warmup` untimed steps and then `--steps` timed ones, in its own processes, one side after the
 other, after waiting (`--quiet-wait`) for the CPUs to go idle; all sides run `--repeats` times, the order reversed
-at every repeat. A run's tokens/s is its timed steps' tokens over the sum of their step times; a side's is its
-fastest run's. Its peak memory is the largest peak resident set of any of its processes (the kernel's `ru_maxrss`
-of the process tree: imports and compilers included), the lowest over its runs. Threads: `--threads` for one
-process, split between the ranks for two. A peer that cannot be installed or fails is reported as skipped or
-failed, with the reason, and the table is still printed.
+at every repeat. A run's tokens/s is its timed steps' tokens over the sum of their step times; a side's is the
+median over its runs, and the table gives their range too: on a shared machine two runs of one side can differ by
+10%, which the best of a few runs would hide. A run during which other processes kept the CPUs busy is left out
+of its side's figures (unless all were). Its peak memory is the largest peak resident set of any of its
+processes (the kernel's `ru_maxrss` of the process tree: imports and compilers included), the lowest over its runs.
+Threads: `--threads` for one process, split between the ranks for two. A peer that cannot be installed or fails is
+reported as skipped or failed, with the reason, and the table is still printed.
 
     .venv/bin/python benchmarks/peers.py [--peers torchtitan,litgpt] [--procs 1,2] [--steps N] [--warmup N]
                                          [--repeats N] [--threads N] [--quiet-wait S] [--work-dir DIR] [--json PATH]
                                          [--profile DIR]
+
+`--merge A.json B.json ...` runs nothing and prints the table over all the runs that earlier invocations wrote with
+`--json` (the same settings), for a median over more runs than one invocation makes.
 
 `--profile DIR` runs every side once more after the timed runs, with `torch.profiler` on rank 0 over
 `PROFILE_STEPS` steps after the warmup, and writes each side's table of top operators (by time spent in the
 operator itself) to `DIR/<side>-<processes>.txt`; those runs do not count in the figures.
     .venv/bin/python benchmarks/peers.py --smoke    # tiny model, 2 steps, lmforge and plain eager only (~20 s)
 
-The full run takes about 6 minutes on 2 idle cores (more when torch's compile cache is cold), plus about 3 minutes
+The full run takes about 17 minutes on 2 idle cores (more when torch's compile cache is cold), plus about 3 minutes
 to install the peers the first time.
 """
 
@@ -49,6 +55,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -116,8 +123,8 @@ class Settings:
     """Untimed steps first (compilation, allocator warm-up)."""
     steps: int = 10
     """Timed steps per side."""
-    repeats: int = 2
-    """Runs per side, in alternating order; the fastest counts."""
+    repeats: int = 4
+    """Runs per side, in alternating order; the median counts."""
     threads: int = 2
     timeout_s: float = 900.0
     """Longest a side may run, startup and compilation included."""
@@ -170,6 +177,8 @@ class Run:
     step_tokens_per_s: list[float] = field(default_factory=list)
     """Every step's throughput, warmup included, over all processes."""
     tokens_per_s: float = math.nan
+    tokens_per_s_range: tuple[float, float] = (math.nan, math.nan)
+    """Over a side's repeats (`side_figures`): its slowest and fastest run."""
     peak_rss_mib: float = math.nan
     """Largest peak resident set of any process of the run."""
     wall_s: float = math.nan
@@ -431,11 +440,15 @@ TITAN_STEP = re.compile(r"step:\s*(\d+)\s.*?tps:\s*([\d,]+)")
 LITGPT_STEP = re.compile(r"iter (\d+) step \d+ \|.*?iter time: ([\d.]+) ms")
 
 
-def run_torchtitan(settings: Settings, procs: int, python: str, work: Path, profile: Path | None = None) -> Run:
-    """torchtitan's trainer under torchrun (it reads its ranks from torchrun's environment even for one)."""
+def run_torchtitan(
+    settings: Settings, procs: int, python: str, work: Path, profile: Path | None = None, compiled: bool = False
+) -> Run:
+    """torchtitan's trainer under torchrun (it reads its ranks from torchrun's environment even for one); with
+    `compiled`, its own `--compile.enable` (each transformer block and the loss under `torch.compile`)."""
     cmd = [*torchrun(python, procs), str(SHIMS), "torchtitan"]
     # With torch 2.13, torchtitan's default SPMD backend (spmd_types) rejects the FSDP mesh on more than one rank.
     cmd += ["--parallelism.spmd_backend", "full_dtensor"] if procs > 1 else []
+    cmd += ["--compile.enable"] if compiled else []
     env = child_env(settings, procs, settings.peer_spec(procs, work / "out"), profile)
 
     def parse(log: str) -> list[float]:
@@ -443,7 +456,7 @@ def run_torchtitan(settings: Settings, procs: int, python: str, work: Path, prof
         steps = {int(m[1]): float(m[2].replace(",", "")) * procs for m in TITAN_STEP.finditer(log)}
         return [steps[i] for i in sorted(steps)]
 
-    return measure("torchtitan", procs, cmd, env, work, settings, parse)
+    return measure("torchtitan compiled" if compiled else "torchtitan", procs, cmd, env, work, settings, parse)
 
 
 def run_litgpt(settings: Settings, procs: int, python: str, work: Path, profile: Path | None = None) -> Run:
@@ -527,18 +540,21 @@ def print_report(summary: dict[str, Any], console: Any) -> None:
         f"({s.num_kv_heads} KV), vocab {s.vocab_size}, seq {s.seq_len}, {s.batch_tokens} tokens/step, fp32, "
         f"{s.steps} timed steps after {s.warmup}"
     )
-    columns = ["side", "processes", "tokens/s", "peak RSS MiB\n(largest process)", "lmforge / side\ntokens/s",
-               "lmforge compiled\n/ side tokens/s", "lmforge / side\npeak memory", "notes"]  # fmt: skip
+    columns = ["side", "processes", "tokens/s\n(median)", "range", "peak RSS MiB\n(largest process)",
+               "lmforge / side\ntokens/s", "lmforge compiled\n/ side tokens/s", "lmforge / side\npeak memory",
+               "notes"]  # fmt: skip
     table = common.result_table(title, columns, left={"side", "notes"})
     for row in summary["sides"]:
         if row["status"] != "ok":
-            table.add_row(row["side"], str(row["procs"]), "-", "-", "-", "-", "-", f"{row['status']}: {row['reason']}")
+            missing = ["-"] * 6
+            table.add_row(row["side"], str(row["procs"]), *missing, f"{row['status']}: {row['reason']}")
             continue
         note = f"other processes: {row['foreign_cores']:.2f} cores" if row["foreign_cores"] > FOREIGN_LIMIT else ""
         table.add_row(
             row["side"],
             str(row["procs"]),
             f"{row['tokens_per_s']:,.0f}",
+            "{:,.0f}-{:,.0f}".format(*row["tokens_per_s_range"]),
             f"{row['peak_rss_mib']:,.0f}",
             _ratio(row["lmforge_over_side"], row["side"] == "lmforge"),
             _ratio(row["lmforge_compiled_over_side"], row["side"] == "lmforge compiled"),
@@ -547,7 +563,8 @@ def print_report(summary: dict[str, Any], console: Any) -> None:
         )
     console.print(table)
     console.print(
-        "tokens/s: timed steps' tokens over the sum of their step times, as each side logs them; peak RSS: the "
+        "tokens/s: timed steps' tokens over the sum of their step times, as each side logs them, the median of the "
+        "side's runs (range: its slowest and fastest); peak RSS: the "
         "largest peak resident set of any process of the side (imports and compilers included); lmforge / side: "
         "lmforge (eager, or compiled) at the same number of processes over the side (above 1: lmforge is faster, or "
         "uses more memory)."
@@ -572,7 +589,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--profile", type=Path, default=None, help="after the timed runs, profile each side once; tables to this folder"
     )
+    p.add_argument(
+        "--merge", type=Path, nargs="+", default=None, metavar="JSON",
+        help="run nothing: print the table over all the runs in these --json files of earlier invocations",
+    )  # fmt: skip
     return p.parse_args(argv)
+
+
+def merge_runs(paths: list[Path]) -> tuple[list[tuple[str, int]], dict[tuple[str, int], list[Run]]]:
+    """The sides (in their first file's order) and every run of each, from the `--json` files of invocations of
+    this script with the same settings."""
+    order: list[tuple[str, int]] = []
+    runs: dict[tuple[str, int], list[Run]] = {}
+    for path in paths:
+        for record in json.loads(path.read_text(encoding="utf-8"))["runs"]:
+            record["tokens_per_s_range"] = tuple(record.get("tokens_per_s_range", (math.nan, math.nan)))
+            run = Run(**record)
+            key = (run.side, run.procs)
+            if key not in runs:
+                order.append(key)
+            runs.setdefault(key, []).append(run)
+    return order, runs
 
 
 Job = Callable[[Path, Path | None], Run] | str
@@ -602,17 +639,30 @@ def plan_sides(settings: Settings, procs: list[int], peers: list[str], smoke: bo
             else:
                 runner = run_torchtitan if name == "torchtitan" else run_litgpt
                 plan.append((name, n, lambda w, p, n=n, f=runner, py=pythons[name]: f(settings, n, py, w, p)))
+                if name == "torchtitan":
+                    titan_compiled = no_compile or (
+                        lambda w, p, n=n, py=pythons[name]: run_torchtitan(settings, n, py, w, p, compiled=True)
+                    )
+                    plan.append(("torchtitan compiled", n, titan_compiled))
     return plan
 
 
-def best_run(runs: list[Run]) -> Run:
-    """A side's figures over its repeats: the fastest run's tokens/s, the lowest peak memory; if none ran, the
-    last failure."""
+def side_figures(runs: list[Run]) -> Run:
+    """A side's figures over its repeats: the median run's tokens/s (with the lowest and highest), the lowest peak
+    memory; if none ran, the last failure. Runs during which other processes kept more than `FOREIGN_LIMIT` cores
+    busy count only when every run of the side did (the table then flags the figure)."""
     ok = [r for r in runs if r.status == "ok"]
     if not ok:
         return runs[-1]
-    fastest = max(ok, key=lambda r: r.tokens_per_s)
-    return replace(fastest, peak_rss_mib=min(r.peak_rss_mib for r in ok))
+    ok = [r for r in ok if r.foreign_cores <= FOREIGN_LIMIT] or ok
+    speeds = [r.tokens_per_s for r in ok]
+    middle = sorted(ok, key=lambda r: r.tokens_per_s)[(len(ok) - 1) // 2]
+    return replace(
+        middle,
+        tokens_per_s=statistics.median(speeds),
+        tokens_per_s_range=(min(speeds), max(speeds)),
+        peak_rss_mib=min(r.peak_rss_mib for r in ok),
+    )
 
 
 def profile_sides(plan: list[tuple[str, int, Job]], work_root: Path, out: Path, quiet: float, console: Any) -> None:
@@ -635,6 +685,14 @@ def main(argv: list[str] | None = None) -> int:
     """Install the peers, run every side, print the table; 0 unless lmforge or the plain loop failed."""
     args = parse_args(argv)
     settings = common.with_flags(SMOKE if args.smoke else Settings(), args)
+    if args.merge:
+        settings = Settings(**json.loads(args.merge[0].read_text(encoding="utf-8"))["settings"])
+        order, merged = merge_runs(args.merge)
+        summary = summarize([side_figures(merged[key]) for key in order], settings)
+        summary["runs"] = [asdict(run) for key in order for run in merged[key]]
+        print_report(summary, common.make_console())
+        common.write_json(args.json, summary)
+        return 0
     peers = [p for p in args.peers.split(",") if p]
     procs = sorted({int(n) for n in args.procs.split(",") if n})
     unknown = set(peers) - set(PEER_PACKAGES)
@@ -680,11 +738,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.work_dir is None:
             shutil.rmtree(work_root, ignore_errors=True)
-    summary = summarize([best_run(runs[side, n]) for side, n, _ in plan], settings)
+    summary = summarize([side_figures(runs[side, n]) for side, n, _ in plan], settings)
     summary["runs"] = [asdict(run) for side, n, _ in plan for run in runs[side, n]]
     print_report(summary, console)
     common.write_json(args.json, summary)
-    ours = [best_run(runs[key]) for key in runs if not key[0].startswith(("torchtitan", "litgpt"))]
+    ours = [side_figures(runs[key]) for key in runs if not key[0].startswith(("torchtitan", "litgpt"))]
     return 1 if any(r.status == "failed" for r in ours) else 0
 
 

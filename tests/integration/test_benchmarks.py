@@ -60,6 +60,16 @@ def test_peers_smoke_runs_lmforge_and_the_plain_loop(tmp_path: Path) -> None:
     for table in profiles.iterdir():
         text = table.read_text()
         assert text.startswith("optimizer steps 2..3") and "aten::mm" in text, text[:500]
+    # --merge pools the runs of earlier invocations: the same file twice doubles each side's runs, not its median.
+    merged = tmp_path / "merged.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--merge", str(out), str(out), "--json", str(merged)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    pooled = {(row["side"], row["procs"]): row for row in json.loads(merged.read_text())["sides"]}
+    assert len(json.loads(merged.read_text())["runs"]) == 2 * len(json.loads(out.read_text())["runs"])
+    for side in (("lmforge", 1), ("lmforge", 2), ("plain eager", 1)):
+        assert pooled[side]["tokens_per_s"] == pytest.approx(rows[side]["tokens_per_s"])
+    assert pooled[("torchtitan", 1)]["status"] == "skipped"
 
 
 def test_attention_switch_smoke_reports_both_backends(tmp_path: Path) -> None:
