@@ -44,6 +44,7 @@ costs about T x T; the loop about a fixed cost per call on top of its (smaller) 
 `benchmarks/attention_switch.py` (docs/benchmarks.md) on segments whose neighbours differ in length: the loop
 stops being faster at about 10 calls for T = 256, 48 for T = 512, 190 for T = 1024 and 768 for T = 2048."""
 
+
 @dataclass
 class DocumentMask:
     """Segment layout of one packed row, shared by every layer of a forward pass."""

@@ -6,9 +6,9 @@ things make this faster than calling `F.scaled_dot_product_attention` per run an
 
 - **The backward writes into the row's gradients.** Through autograd, every run's slice of q, k and v gets a
   zero-filled gradient of the whole row, and the outputs' concatenation a split, so a row of S segments costs S
-  full-size zero fills and additions per tensor. Here the forward writes each run's output into one [T, heads, dim]
-  buffer and keeps the kernel's log-sum-exp; the backward calls the kernel's backward per run and writes its
-  gradients into the row's.
+  full-size zero fills and additions per tensor. Here the forward keeps the kernel's log-sum-exp per call and
+  joins the calls' outputs into the row (a view when the row is one call); the backward calls the kernel's backward
+  per call and joins its gradients the same way.
 - **Causal calls skip most masked scores** (`CPU_SPLIT_LENGTHS`, `CPU_SPLIT_ROWS`): the kernel takes keys in blocks
   of 512, so for a segment shorter than 768 it scores the whole L x L square although causal attention needs only
   its lower half. A segment of a split length runs as calls of about 64 queries each, call i over the keys up to
@@ -71,10 +71,10 @@ def _causal_mask(dtype: torch.dtype) -> Tensor:
 
 def pieces(length: int, rows: int = CPU_SPLIT_ROWS, split: tuple[int, int] = CPU_SPLIT_LENGTHS) -> list[Piece]:
     """The kernel calls of a causal segment of `length` tokens: one, or for a length in `split` about
-    length / `rows`, each over the keys up to its last query (the arguments are there for the benchmark that
-    chose them)."""
+    length / `rows`, each over the keys up to its last query. The arguments are there for the benchmark that chose
+    them (`split` may not reach past `CPU_SPLIT_LENGTHS`, which the cached mask covers)."""
     low, high = split
-    if not low <= length < min(high, CPU_SPLIT_LENGTHS[1]):
+    if not low <= length < high:
         return [Piece(slice(0, length), length, True)]
     n = max(1, round(length / rows))
     bounds = [round(i * length / n) for i in range(n + 1)]

@@ -35,12 +35,11 @@ def _turn(x: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Tensor:
     instead of slices, a negation and a concatenation."""
     half = x.shape[-1] // 2
     swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
-    signed = sin.unflatten(-1, (2, half)) * _HALF_SIGNS.to(sin.device, sin.dtype)
-    return torch.addcmul(x * cos, swapped, signed.flatten(-2), value=-1 if backward else 1)
-
-
-_HALF_SIGNS = torch.tensor([[-1.0], [1.0]])
-"""The signs of sin's halves in rotate_half(x) * sin, shaped to multiply sin unflattened into [..., 2, D / 2]."""
+    # Built from the table itself (a [T, 1, D] tensor, small beside x): a constant copied to the device per call
+    # would make the host wait for it.
+    first = sin[..., :half]
+    signed = torch.cat((-first, first), dim=-1)
+    return torch.addcmul(x * cos, swapped, signed, value=-1 if backward else 1)
 
 
 class RotaryFunction(torch.autograd.Function):
