@@ -52,7 +52,7 @@ def time_backend(name: str, seq_lens: list[int], heads: int, kv_heads: int, head
     for i in range(repeats + 2):
         t0 = time.perf_counter()
         # A new mask per call, as every forward builds one: the dense backend pays for its [T, T] mask each time.
-        mask = DocumentMask.from_seq_lens(torch.tensor(seq_lens), q.device)
+        mask = DocumentMask.from_doc_lens(torch.tensor(seq_lens), q.device)
         fn(q, k, v, mask).sum().backward()
         if i >= 2:
             times.append((time.perf_counter() - t0) * 1000)

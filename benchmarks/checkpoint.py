@@ -1,4 +1,4 @@
-"""Save and load cost of lmforge's sharded checkpoints (`lmforge.runtime.checkpoint`), on the CPU.
+"""Save and load cost of lmforge's sharded checkpoints (`lmforge.checkpoint.checkpointer`), on the CPU.
 
 The script builds a Llama (default: hidden 768, 12 layers, intermediate 2048, 12 heads, vocabulary 32,000, untied
 LM head: 134M parameters, printed exactly) in fp32 with lmforge's AdamW (one group per parameter role), in a
@@ -50,15 +50,18 @@ from torch import nn
 
 import common
 from cpu_load import ForeignLoad, settle
+from lmforge.checkpoint.checkpointer import Checkpointer
+from lmforge.checkpoint.layout import CHECKPOINTS, list_checkpoints, step_name
+from lmforge.checkpoint.load import load_checkpoint
 from lmforge.config.ckpt import CkptConfig
 from lmforge.config.model import ModelConfig
 from lmforge.config.optim import AdamWConfig
 from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from lmforge.optim import build_optimizer
-from lmforge.parallel import DistContext, init_distributed, parallelize, shutdown_distributed
-from lmforge.runtime.checkpoint import CHECKPOINTS, Checkpointer, list_checkpoints, load_checkpoint, step_name
-from lmforge.runtime.model_setup import padded_vocab_size
+from lmforge.parallel.fsdp import parallelize
+from lmforge.parallel.model_setup import padded_vocab_size
+from lmforge.parallel.process_group import DistContext, init_distributed, shutdown_distributed
 
 MODES = ("sync", "async", "load")
 FOREIGN_LIMIT = 0.1

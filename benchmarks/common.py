@@ -29,7 +29,7 @@ from rich.table import Table
 
 from cpu_load import ForeignLoad
 from lmforge.config import FakeDataConfig, TrainConfig
-from lmforge.model import LlamaArch
+from lmforge.config.arch import LlamaArch
 
 T = TypeVar("T")
 

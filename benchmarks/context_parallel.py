@@ -41,7 +41,9 @@ import torch
 import torch.multiprocessing as mp
 
 from common import make_console, result_table, write_json
-from lmforge.model import LlamaArch, build_model
+from lmforge.config.arch import LlamaArch
+from lmforge.data.batch import MicroBatch
+from lmforge.model import build_model
 from lmforge.model.init import init_weights
 
 MEAN_DOC = 512
@@ -56,7 +58,7 @@ def _arch(smoke: bool) -> LlamaArch:
                      num_key_value_heads=4, max_position_embeddings=65536)  # fmt: skip
 
 
-def _row(total: int, vocab: int) -> dict[str, torch.Tensor]:
+def _row(total: int, vocab: int) -> MicroBatch:
     """One packed row of random tokens in documents of random lengths (mean `MEAN_DOC`)."""
     rng = np.random.default_rng(0)
     lens: list[int] = []
@@ -64,13 +66,13 @@ def _row(total: int, vocab: int) -> dict[str, torch.Tensor]:
         lens.append(int(min(rng.integers(1, 2 * MEAN_DOC), total - sum(lens))))
     tokens = torch.from_numpy(rng.integers(1, vocab, size=total + 1))
     positions = torch.cat([torch.arange(n) for n in lens])
-    return {
-        "input_ids": tokens[:-1][None],
-        "target_ids": tokens[1:][None],
-        "position_ids": positions[None],
-        "loss_mask": torch.ones(1, total, dtype=torch.bool),
-        "seq_lens": torch.tensor(lens, dtype=torch.int32),
-    }
+    return MicroBatch(
+        input_ids=tokens[:-1][None],
+        target_ids=tokens[1:][None],
+        position_ids=positions[None],
+        loss_mask=torch.ones(1, total, dtype=torch.bool),
+        doc_lens=torch.tensor(lens, dtype=torch.int32),
+    )
 
 
 def _rank(rank: int, cp: int, port: int, total: int, smoke: bool, repeats: int, device_type: str,
@@ -79,10 +81,9 @@ def _rank(rank: int, cp: int, port: int, total: int, smoke: bool, repeats: int, 
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    import lmforge.model.context_parallel as context_parallel
-    from lmforge.model.context_parallel import ContextShard
+    import lmforge.parallel.context as context_parallel
     from lmforge.model.loss import IGNORE_INDEX
-    from lmforge.parallel.context import shard_micro_batch
+    from lmforge.parallel.context import ContextShard, apply_context_parallel, shard_micro_batch
 
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -94,9 +95,8 @@ def _rank(rank: int, cp: int, port: int, total: int, smoke: bool, repeats: int, 
         init_weights(model, 0.02, seed=0)
         shard = ContextShard(dist.new_group(list(range(cp))), rank, cp, "flex" if device.type == "cuda" else "sdpa")
         if cp > 1:
-            model.model.context = shard
-        row = shard_micro_batch(_row(total, vocab), shard)
-        mb = {k: v if k == "seq_lens" else v.to(device) for k, v in row.items()}
+            apply_context_parallel(model, shard)
+        mb = shard_micro_batch(_row(total, vocab), shard).to(device)
         gathered = [0]
         plain_gather = context_parallel.gather_row
 
@@ -115,8 +115,8 @@ def _rank(rank: int, cp: int, port: int, total: int, smoke: bool, repeats: int, 
             return t
 
         def step() -> None:
-            targets = mb["target_ids"].masked_fill(~mb["loss_mask"], IGNORE_INDEX)
-            loss = model(mb["input_ids"], mb["position_ids"], mb["seq_lens"], targets=targets)
+            targets = mb.target_ids.masked_fill(~mb.loss_mask, IGNORE_INDEX)
+            loss = model(mb.input_ids, mb.position_ids, mb.doc_lens, targets=targets)
             loss.backward()
             model.zero_grad(set_to_none=True)
             if device.type == "cuda":

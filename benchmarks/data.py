@@ -243,12 +243,12 @@ def check_boundaries(micro_batches: list[MicroBatch], seq_len: int) -> bool:
     """Segments follow documents: inside each window, the inputs hold EOS exactly at the last position of every
     segment but the window's last (the pool has EOS only where a document ends), and positions restart at 0."""
     for mb in micro_batches:
-        ids = mb["input_ids"][0].numpy()
-        lens = mb["seq_lens"].numpy().astype(np.int64)
+        ids = mb.input_ids[0].numpy()
+        lens = mb.doc_lens.numpy().astype(np.int64)
         ends = np.cumsum(lens)
-        if ends[-1] != ids.size or not np.array_equal(mb["position_ids"][0].numpy()[ends - lens], np.zeros_like(lens)):
+        if ends[-1] != ids.size or not np.array_equal(mb.position_ids[0].numpy()[ends - lens], np.zeros_like(lens)):
             return False
-        if not bool(mb["loss_mask"].all()):
+        if not bool(mb.loss_mask.all()):
             return False
         for w in range(ids.size // seq_len):
             lo, hi = w * seq_len, (w + 1) * seq_len
@@ -278,9 +278,9 @@ def run_loader(pool: Pool, settings: Settings, profile: cProfile.Profile | None 
         t = time.perf_counter()
         step = data.next_step()
         seconds.append(time.perf_counter() - t)
-        tokens += sum(mb["input_ids"].numel() for mb in step)
+        tokens += sum(mb.input_ids.numel() for mb in step)
         micro_batches += len(step)
-        segments += sum(mb["seq_lens"].numel() for mb in step)
+        segments += sum(mb.doc_lens.numel() for mb in step)
         if time.perf_counter() > deadline:
             break
     if profile is not None:

@@ -62,7 +62,7 @@ from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from lmforge.model.llama import CausalLM
 from lmforge.model.loss import IGNORE_INDEX, head_cross_entropy
-from lmforge.runtime.model_setup import padded_vocab_size
+from lmforge.parallel.model_setup import padded_vocab_size
 
 TARGET = 0.9
 """Validation tokens/s must be at least this fraction of the plain forward's."""
@@ -156,17 +156,12 @@ def build(s: Settings, vocab: int, attn: str, device: torch.device) -> CausalLM:
 # ---------------------------------------------------------------------------------------------- timing
 
 
-def to_device(batch: MicroBatch, device: torch.device) -> MicroBatch:
-    """A row on the device, as the validator moves it (`seq_lens` stays on the host)."""
-    return {k: v if k == "seq_lens" else v.to(device) for k, v in batch.items()}
-
-
 @torch.no_grad()
 def plain_pass(model: CausalLM, rows: Sequence[MicroBatch], device: torch.device) -> None:
     """The plain forward: logits of every row, nothing else."""
     for batch in rows:
-        mb = to_device(batch, device)
-        model(mb["input_ids"], mb["position_ids"], mb["seq_lens"])
+        mb = batch.to(device)
+        model(mb.input_ids, mb.position_ids, mb.doc_lens)
 
 
 class Clock:
@@ -205,11 +200,11 @@ def plain_heldout_loss(model: CausalLM, rows: Sequence[MicroBatch], device: torc
     """Mean cross-entropy over the loss-mask positions, from the plain logits (float64 sum)."""
     total, count = 0.0, 0
     for batch in rows:
-        mb = to_device(batch, device)
-        logits = model(mb["input_ids"], mb["position_ids"], mb["seq_lens"])[0].float()
-        targets = mb["target_ids"][0].masked_fill(~mb["loss_mask"][0], IGNORE_INDEX)
+        mb = batch.to(device)
+        logits = model(mb.input_ids, mb.position_ids, mb.doc_lens)[0].float()
+        targets = mb.target_ids[0].masked_fill(~mb.loss_mask[0], IGNORE_INDEX)
         total += float(F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum").double())
-        count += int(batch["loss_mask"].sum())
+        count += int(batch.loss_mask.sum())
     return total / count
 
 
@@ -218,9 +213,9 @@ def plain_loglik(model: CausalLM, rows: Sequence[Any], n_requests: int, device: 
     """Each request's summed log-likelihood from the plain logits (float64, on the host)."""
     totals = np.zeros(n_requests + 1)
     for row in rows:
-        mb = to_device(row.batch, device)
-        logp = torch.log_softmax(model(mb["input_ids"], mb["position_ids"], mb["seq_lens"])[0].double(), dim=-1)
-        picked = logp.gather(-1, mb["target_ids"][0, :, None])[:, 0].cpu().numpy()
+        mb = row.batch.to(device)
+        logp = torch.log_softmax(model(mb.input_ids, mb.position_ids, mb.doc_lens)[0].double(), dim=-1)
+        picked = logp.gather(-1, mb.target_ids[0, :, None])[:, 0].cpu().numpy()
         np.add.at(totals, np.where(row.request_ids >= 0, row.request_ids, n_requests), picked)
     return totals[:n_requests]
 
@@ -258,9 +253,9 @@ def run(s: Settings, device: torch.device, attn: str, quiet_wait: float, work: P
     with torch.no_grad():
         hidden = []
         for batch in rows[HELDOUT]:
-            mb = to_device(batch, device)
-            targets = mb["target_ids"][0].masked_fill(~mb["loss_mask"][0], IGNORE_INDEX)
-            hidden.append((model.model(mb["input_ids"], mb["position_ids"], mb["seq_lens"])[0], targets))
+            mb = batch.to(device)
+            targets = mb.target_ids[0].masked_fill(~mb.loss_mask[0], IGNORE_INDEX)
+            hidden.append((model.model(mb.input_ids, mb.position_ids, mb.doc_lens)[0], targets))
 
     def head_logits() -> None:
         with torch.no_grad():
@@ -301,13 +296,13 @@ def run(s: Settings, device: torch.device, attn: str, quiet_wait: float, work: P
 
     sets: dict[str, Any] = {}
     for name in validators:
-        positions = sum(int(b["input_ids"].numel()) for b in rows[name])
+        positions = sum(int(b.input_ids.numel()) for b in rows[name])
         sides = {side: clocks[(name, side)].figures(positions) for side in SIDES}
         ratio = sides["validation"]["tokens_per_s"] / sides["plain"]["tokens_per_s"]
         sets[name] = {
             "rows": len(rows[name]),
             "positions": positions,
-            "scored_tokens": sum(int(b["loss_mask"].sum()) for b in rows[name]),
+            "scored_tokens": sum(int(b.loss_mask.sum()) for b in rows[name]),
             **sides,
             "ratio": ratio,
             "pass": ratio >= TARGET,

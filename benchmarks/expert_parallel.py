@@ -63,7 +63,7 @@ import torch
 import common
 from context_parallel import _free_port
 from cpu_load import own_cpu_s, settle
-from lmforge.model import Glm4MoeArch
+from lmforge.config.arch import Glm4MoeArch
 
 RANKS = 2
 """Processes of every configuration: data-parallel at ep = 1, one expert-parallel group at ep = 2."""
@@ -174,7 +174,7 @@ def _instrument(meter: Meter) -> None:
     the copies' all-to-alls."""
     import torch.distributed as dist
 
-    import lmforge.model.moe as moe
+    import lmforge.parallel.experts as experts
 
     def group_of(b: inspect.BoundArguments) -> tuple[int, int]:
         group = b.arguments.get("group")
@@ -210,7 +210,7 @@ def _instrument(meter: Meter) -> None:
     _wrap(dist, "all_gather_single", gather)
     _wrap(dist, "reduce_scatter_single", reduce)
 
-    plan = moe.plan_exchange
+    plan = experts.plan_exchange
 
     def timed_plan(*args: Any, **kwargs: Any) -> Any:
         meter.planning = True
@@ -221,7 +221,7 @@ def _instrument(meter: Meter) -> None:
             meter.plan_s += time.perf_counter() - t0
             meter.planning = False
 
-    moe.plan_exchange = timed_plan  # type: ignore[assignment]
+    experts.plan_exchange = timed_plan  # type: ignore[assignment]
 
 
 def _local_bytes(tensors: Any) -> int:
@@ -245,8 +245,9 @@ def run_rank(rank: int, port: int, experts: int, ep: int, s: Settings, device_ty
     from lmforge.model import build_model
     from lmforge.model.init import init_weights
     from lmforge.model.moe import Experts
-    from lmforge.parallel import init_distributed, parallelize, shutdown_distributed
-    from lmforge.runtime.host_memory import retain_freed_memory
+    from lmforge.parallel.fsdp import parallelize
+    from lmforge.parallel.process_group import init_distributed, shutdown_distributed
+    from lmforge.train.host_memory import retain_freed_memory
 
     if device_type == "cpu":
         retain_freed_memory()  # as CPU training runs do: freed buffers are reused, not faulted in again each step

@@ -69,11 +69,11 @@ from rich.console import Console
 from rich.markup import escape
 
 import common
+from lmforge.checkpoint.run_dir import prepare_output_dir
 from lmforge.config import TrainConfig
+from lmforge.config.arch import Glm4MoeArch
 from lmforge.config.checks import check_config
-from lmforge.model import Glm4MoeArch
-from lmforge.parallel import init_distributed, shutdown_distributed
-from lmforge.runtime.run_dir import prepare_output_dir
+from lmforge.parallel.process_group import init_distributed, shutdown_distributed
 from lmforge.train.trainer import Trainer
 
 K = 1024

@@ -35,10 +35,10 @@ import torch
 
 import common
 from cpu_load import ForeignLoad, settle
+from lmforge.checkpoint.run_dir import prepare_output_dir
 from lmforge.config import TrainConfig
-from lmforge.parallel import init_distributed, shutdown_distributed
-from lmforge.runtime.run_dir import prepare_output_dir
-from lmforge.train.callbacks import Callback
+from lmforge.parallel.process_group import init_distributed, shutdown_distributed
+from lmforge.train.callbacks.base import Callback
 from lmforge.train.trainer import Trainer
 from overhead import Settings as OverheadSettings
 

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 import common
-from lmforge.parallel import init_distributed, shutdown_distributed
+from lmforge.parallel.process_group import init_distributed, shutdown_distributed
 from lmforge.prep.demo_data import prepare_demo_data
 from lr_transfer_config import SCHEMES, SMOKE, Settings
 from lr_transfer_report import muon_summary, print_muon, print_transfer, transfer_summary

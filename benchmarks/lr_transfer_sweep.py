@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
+from lmforge.checkpoint.run_dir import prepare_output_dir
 from lmforge.config import TokensDataConfig
 from lmforge.config.checks import check_config
-from lmforge.data import load_tokenizer
 from lmforge.data.batch import MicroBatch
+from lmforge.data.tokenizer import load_tokenizer
 from lmforge.data.tokens import TokenData
-from lmforge.parallel import DistContext
-from lmforge.runtime.run_dir import prepare_output_dir
+from lmforge.parallel.process_group import DistContext
 from lmforge.train.micro_batches import token_loss_sum
 from lmforge.train.trainer import Trainer
 from lr_transfer_config import RunKey, Settings
@@ -73,9 +73,8 @@ def heldout_loss(model: torch.nn.Module, batches: list[MicroBatch], device: torc
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
     for mb in batches:
-        on_device = {k: v if k == "seq_lens" else v.to(device) for k, v in mb.items()}
-        total += token_loss_sum(model, on_device).double()
-        count += int(mb["loss_mask"].sum())
+        total += token_loss_sum(model, mb.to(device)).double()
+        count += int(mb.loss_mask.sum())
     loss = float(total) / max(count, 1)
     return loss if math.isfinite(loss) else math.nan
 

@@ -48,7 +48,8 @@ from rich.console import Console
 
 import common
 from cpu_load import settle
-from lmforge.model import Glm4MoeArch, LlamaArch, build_model
+from lmforge.config.arch import Glm4MoeArch, LlamaArch
+from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from lmforge.model.llama import CausalLM
 from lmforge.model.loss import IGNORE_INDEX

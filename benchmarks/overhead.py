@@ -60,14 +60,14 @@ from rich.console import Console
 
 import common
 from cpu_load import settle
+from lmforge.checkpoint.run_dir import prepare_output_dir
 from lmforge.config import TrainConfig
 from lmforge.config.checks import check_config
 from lmforge.data.fake import FakeData
 from lmforge.model import build_model
 from lmforge.model.init import init_weights
-from lmforge.parallel import init_distributed, shutdown_distributed
-from lmforge.runtime.model_setup import padded_vocab_size
-from lmforge.runtime.run_dir import prepare_output_dir
+from lmforge.parallel.model_setup import padded_vocab_size
+from lmforge.parallel.process_group import init_distributed, shutdown_distributed
 from lmforge.train.trainer import Trainer
 from plain_loop import Batch, LlamaShape, OptimSettings, PlainTrainer
 
@@ -214,7 +214,7 @@ def run_plain(settings: Settings, compiled: bool) -> common.Steps[float]:
     def step() -> float:
         micro_batches = data.next_step()
         return trainer.step(
-            [Batch(mb["input_ids"], mb["target_ids"], mb["position_ids"], mb["seq_lens"]) for mb in micro_batches]
+            [Batch(mb.input_ids, mb.target_ids, mb.position_ids, mb.doc_lens) for mb in micro_batches]
         )
 
     return common.timed_steps(settings.warmup, settings.steps, lambda _: step())

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import tomli_w
 import torch
 
-from lmforge.model.config import LlamaArch, Qwen3Arch
+from lmforge.config.arch import AnyArch, LlamaArch, Qwen3Arch
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -30,6 +31,13 @@ def tiny_llama(**overrides: object) -> LlamaArch:
     }
     fields.update(overrides)
     return LlamaArch(**fields)
+
+
+def arch_toml(arch: AnyArch) -> str:
+    """`arch` as the `[model.arch]` section of a run config (its model_type and the fields it sets), so a TOML
+    config and a Python test build the same tiny model from one definition."""
+    fields = {"model_type": arch.model_type, **arch.model_dump(exclude_defaults=True)}
+    return tomli_w.dumps({"model": {"arch": fields}})
 
 
 def tiny_qwen3(**overrides: object) -> Qwen3Arch:

@@ -11,7 +11,7 @@ Device and host tensors are both CPU tensors here, so the detector tells them ap
   copy marked as a device tensor, as CUDA would (a device given as the string "cpu" means the host);
 - a tensor made with an explicit `device=` that is a `torch.device` is a device tensor;
 - an op with a device tensor among its inputs puts its outputs, and the tensors it writes to, on the device.
-Everything else, like a micro-batch's `seq_lens` (kept on the host on purpose) and what is computed from it, is a host
+Everything else, like a micro-batch's `doc_lens` (kept on the host on purpose) and what is computed from it, is a host
 tensor, and reading it is free. A host-synchronizing op on a device tensor is recorded with the line of the project
 (source or test) that issued it.
 

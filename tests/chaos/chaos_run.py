@@ -27,8 +27,8 @@ from typing import Any
 
 import torch.distributed.checkpoint.filesystem as dcp_files
 
+from lmforge.checkpoint import checkpointer
 from lmforge.cli import main
-from lmforge.runtime import checkpoint
 from lmforge.train import micro_batches
 
 POINTS = ("micro-batch", "write", "before-commit", "after-rename", "after-latest", "none")
@@ -81,12 +81,12 @@ def inject(point: str, count: int) -> None:
     elif point == "write":
         dcp_files._write_item = _kill_on(count, dcp_files._write_item)  # type: ignore[attr-defined]
     elif point == "before-commit":
-        checkpoint.Checkpointer._commit = _kill_on(count, checkpoint.Checkpointer._commit)  # type: ignore[method-assign]
+        checkpointer.Checkpointer._commit = _kill_on(count, checkpointer.Checkpointer._commit)  # type: ignore[method-assign]
     elif point == "after-rename":
         # `latest` is written by write_atomic right after the rename; other write_atomic calls do not exist.
-        checkpoint.write_atomic = _kill_on(count, checkpoint.write_atomic)
+        checkpointer.write_atomic = _kill_on(count, checkpointer.write_atomic)
     elif point == "after-latest":
-        checkpoint.write_atomic = _kill_on(count, checkpoint.write_atomic, before=False)
+        checkpointer.write_atomic = _kill_on(count, checkpointer.write_atomic, before=False)
     elif point == "enospc":
         dcp_files._write_item = _fail_on(count, dcp_files._write_item)  # type: ignore[attr-defined]
     elif point != "none":

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from lmforge.checkpoint.layout import is_complete, list_checkpoints, read_latest, step_name
 from lmforge.monitor import read_metrics
-from lmforge.runtime.checkpoint import is_complete, list_checkpoints, read_latest, step_name
 from tests.chaos.chaos_run import POINTS
 from tests.integration.runner import cli_command, env_one_thread, losses, write_config
 

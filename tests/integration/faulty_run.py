@@ -15,8 +15,8 @@ import signal
 import sys
 import time
 
+from lmforge.checkpoint import checkpointer
 from lmforge.cli import main
-from lmforge.runtime import checkpoint
 from lmforge.train import trainer
 
 
@@ -28,8 +28,8 @@ def _mine() -> bool:
 def inject(fault: str, step: int) -> None:
     """Patch the trainer or the checkpointer so that `fault` happens at `step`."""
     train_step = trainer.Trainer.train_step
-    save = checkpoint.Checkpointer.save
-    commit = checkpoint.Checkpointer._commit
+    save = checkpointer.Checkpointer.save
+    commit = checkpointer.Checkpointer._commit
 
     def faulty_step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         if self.step + 1 == step and _mine():
@@ -51,9 +51,9 @@ def inject(fault: str, step: int) -> None:
     if fault in ("sigterm", "sigterm-twice"):
         trainer.Trainer.train_step = faulty_step  # type: ignore[method-assign]
     if fault == "sigterm-twice":
-        checkpoint.Checkpointer.save = faulty_save  # type: ignore[method-assign]
+        checkpointer.Checkpointer.save = faulty_save  # type: ignore[method-assign]
     if fault == "hang-in-commit":
-        checkpoint.Checkpointer._commit = faulty_commit  # type: ignore[method-assign]
+        checkpointer.Checkpointer._commit = faulty_commit  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

@@ -8,18 +8,10 @@ import sys
 from pathlib import Path
 
 from lmforge.monitor import read_metrics
+from tests.conftest import arch_toml, tiny_llama
 
-TINY_ARCH = """
-[model.arch]
-model_type = "llama"
-hidden_size = 64
-intermediate_size = 128
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-max_position_embeddings = 256
-"""
-"""The tiny Llama of the CLI tests, as a TOML section."""
+TINY_ARCH = arch_toml(tiny_llama(max_position_embeddings=256))
+"""The tiny Llama of the CLI tests (`tests.conftest.tiny_llama`), as a TOML section."""
 
 TINY_RUN = (
     """
@@ -74,6 +66,18 @@ def run_cli(
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_one_thread(), check=False)
 
 
+def train_run(cfg: Path, out: Path, *flags: str, nproc: int = 1, timeout: float = 300) -> Path:
+    """`lmforge train @ cfg --output-dir out <flags>` on `nproc` processes, which must succeed; returns `out`."""
+    result = run_cli(["train", "@", str(cfg), "--output-dir", str(out), *flags], nproc=nproc, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def curve(run_dir: Path, key: str) -> list[float]:
+    """Per-step values of metric `key` in a finished run (the steps that logged it)."""
+    return [r[key] for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] > 0 and key in r]
+
+
 def losses(run_dir: Path) -> list[float]:
     """Per-step loss/mean of a finished run."""
-    return [r["loss/mean"] for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] > 0 and "loss/mean" in r]
+    return curve(run_dir, "loss/mean")

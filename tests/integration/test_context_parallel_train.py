@@ -13,20 +13,14 @@ import pytest
 
 from lmforge.monitor import read_metrics
 from tests.chat import chat_tokenizer, conversation, write_jsonl
-from tests.integration.runner import TINY_ARCH, run_cli, write_config
+from tests.integration.runner import TINY_ARCH, curve, run_cli, train_run, write_config
 from tests.shards import random_docs, word_tokenizer, write_shard
 
 pytestmark = pytest.mark.slow
 
 
-def _curve(run: Path, key: str) -> list[float]:
-    return [r[key] for r in read_metrics(run / "metrics.jsonl") if r["step"] > 0 and key in r]
-
-
-def _train(cfg: Path, out: Path, nproc: int, cp: int, *extra: str) -> None:
-    result = run_cli(["train", "@", str(cfg), "--output-dir", str(out), "--parallel.cp", str(cp), *extra],
-                     nproc=nproc, timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+def _train(cfg: Path, out: Path, nproc: int, cp: int, *extra: str) -> Path:
+    return train_run(cfg, out, "--parallel.cp", str(cp), *extra, nproc=nproc)
 
 
 def test_cp_runs_train_like_one_process_and_resume_across_layouts(tmp_path: Path) -> None:
@@ -35,19 +29,19 @@ def test_cp_runs_train_like_one_process_and_resume_across_layouts(tmp_path: Path
     _train(cfg, tmp_path / "cp2", 2, 2)
     _train(cfg, tmp_path / "cp2dp2", 4, 2)
     for key in ("loss/mean", "optim/grad_norm", "loss/tokens"):
-        want = _curve(tmp_path / "one", key)
+        want = curve(tmp_path / "one", key)
         assert len(want) == 4
         for run in ("cp2", "cp2dp2"):
-            assert _curve(tmp_path / run, key) == pytest.approx(want, rel=1e-5, abs=1e-6), (run, key)
+            assert curve(tmp_path / run, key) == pytest.approx(want, rel=1e-5, abs=1e-6), (run, key)
     # (dp 4, cp 1) -> (dp 2, cp 2) -> (dp 1, cp 4) on 4 processes: steps 1-2, 3 and 4 each in another layout,
     # each run resuming the previous layout's checkpoint
     _train(cfg, tmp_path / "dp4", 4, 1, "--ckpt.interval", "1", "--ckpt.keep-last", "4")
     _train(cfg, tmp_path / "dp2cp2", 4, 2, "--ckpt.interval", "1", "--ckpt.keep-last", "4", "--resume.step", "2",
            "--resume.path", str(tmp_path / "dp4"))  # fmt: skip
     _train(cfg, tmp_path / "cp4", 4, 4, "--resume.step", "3", "--resume.path", str(tmp_path / "dp2cp2"))
-    got = [*_curve(tmp_path / "dp4", "loss/mean")[:2], _curve(tmp_path / "dp2cp2", "loss/mean")[0],
-           *_curve(tmp_path / "cp4", "loss/mean")]  # fmt: skip
-    assert got == pytest.approx(_curve(tmp_path / "one", "loss/mean"), rel=1e-5)
+    got = [*curve(tmp_path / "dp4", "loss/mean")[:2], curve(tmp_path / "dp2cp2", "loss/mean")[0],
+           *curve(tmp_path / "cp4", "loss/mean")]  # fmt: skip
+    assert got == pytest.approx(curve(tmp_path / "one", "loss/mean"), rel=1e-5)
 
 
 def test_validation_under_cp_equals_one_process(tmp_path: Path) -> None:
@@ -109,6 +103,6 @@ lr = 3e-3
     _train(cfg, tmp_path / "one", 1, 1)
     _train(cfg, tmp_path / "cp2", 2, 2)
     for key in ("loss/mean", "optim/grad_norm", "loss/tokens", "val/loss"):
-        want = _curve(tmp_path / "one", key)
+        want = curve(tmp_path / "one", key)
         assert want, key
-        assert _curve(tmp_path / "cp2", key) == pytest.approx(want, rel=1e-5, abs=1e-6), key
+        assert curve(tmp_path / "cp2", key) == pytest.approx(want, rel=1e-5, abs=1e-6), key

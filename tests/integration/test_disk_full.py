@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.runtime.checkpoint import is_complete, list_checkpoints, read_latest, step_name
+from lmforge.checkpoint.layout import is_complete, list_checkpoints, read_latest, step_name
 from tests.integration.runner import cli_command, env_one_thread, losses, run_cli, write_config
 
 pytestmark = pytest.mark.slow

@@ -21,7 +21,7 @@ MOE_ARCH = {"model_type": "glm4_moe", "hidden_size": 64, "intermediate_size": 12
 
 def _worker(rank: int, port: int, tmp: str, ep: int) -> None:
     join_as_rank(rank, port)
-    from lmforge.parallel import init_distributed, shutdown_distributed
+    from lmforge.parallel.process_group import init_distributed, shutdown_distributed
 
     ctx = init_distributed(timeout_minutes=2, ep=max(ep, 1))
     extra = {} if ep == 0 else {"model": {"arch": MOE_ARCH}, "parallel": {"ep": ep}}

@@ -13,11 +13,11 @@ import torch
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.eval.scoring import pack_requests, score_requests
 from lmforge.eval.sets import EvalSet, Request, build_requests, fit_requests, read_eval_set, set_metrics
+from lmforge.hf.folder import write_model_files
+from lmforge.hf.weights import write_safetensors
 from lmforge.model import build_model
-from lmforge.model.hf_weights import write_safetensors
 from lmforge.model.init import init_weights
 from lmforge.model.llama import CausalLM
-from lmforge.runtime.hf_folder import write_model_files
 from tests.chat import WORDS, chat_tokenizer, write_jsonl
 from tests.conftest import tiny_llama
 from tests.spawn import free_port, join_as_rank, run_ranks
@@ -103,7 +103,8 @@ def test_scores_and_metrics_match_transformers(sets_dir: Path, one_thread: objec
 def _worker(rank: int, port: int, folder: str) -> None:
     join_as_rank(rank, port)
     from lmforge.config.model import ModelConfig
-    from lmforge.parallel import init_distributed, parallelize, shutdown_distributed
+    from lmforge.parallel.fsdp import parallelize
+    from lmforge.parallel.process_group import init_distributed, shutdown_distributed
 
     ctx = init_distributed(timeout_minutes=2)
     arch = tiny_llama()

@@ -12,23 +12,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lmforge.hf.folder import load_pretrained
 from lmforge.monitor import read_metrics
-from lmforge.runtime.hf_folder import load_pretrained
-from tests.integration.runner import run_cli
+from tests.integration.runner import curve, run_cli, train_run
 from tests.integration.test_moe_train import RUN
 
 pytestmark = pytest.mark.slow
 
 
-def _curve(run: Path, key: str) -> list[float]:
-    return [r[key] for r in read_metrics(run / "metrics.jsonl") if r["step"] > 0 and key in r]
-
-
 def _train(cfg: Path, out: Path, nproc: int, ep: int, *extra: str) -> Path:
-    result = run_cli(["train", "@", str(cfg), "--output-dir", str(out), "--parallel.ep", str(ep), *extra],
-                     nproc=nproc, timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+    return train_run(cfg, out, "--parallel.ep", str(ep), *extra, nproc=nproc)
 
 
 def test_ep_trains_like_one_process_resumes_across_ep_and_exports_the_same(tmp_path: Path) -> None:
@@ -42,17 +35,17 @@ def test_ep_trains_like_one_process_resumes_across_ep_and_exports_the_same(tmp_p
         "cp2ep4": _train(cfg, tmp_path / "cp2ep4", 4, 4, "--parallel.cp", "2"),
     }
     for key in ("loss/mean", "optim/grad_norm", "max_vio/mean", "moe/bias/abs_mean"):
-        want = _curve(one, key)
+        want = curve(one, key)
         assert len(want) == 8, key
         for name, run in runs.items():
-            assert _curve(run, key) == pytest.approx(want, rel=1e-5, abs=1e-6), (name, key)
+            assert curve(run, key) == pytest.approx(want, rel=1e-5, abs=1e-6), (name, key)
     # Parameter counts (and so MFU) count whole expert stacks.
     counts = [{k: v for k, v in read_metrics(r / "metrics.jsonl")[0].items() if k.startswith("params/")}
               for r in (one, *runs.values())]  # fmt: skip
     assert counts[0]["params/total"] > 0 and all(c == counts[0] for c in counts)
     # Compiled blocks with activation checkpointing: the exchange runs outside the graphs and is recomputed in backward.
     compiled = _train(cfg, tmp_path / "compiled", 2, 2, "--model.compile", "--model.ac.mode", "full")
-    assert _curve(compiled, "loss/mean") == pytest.approx(_curve(one, "loss/mean"), rel=1e-5)
+    assert curve(compiled, "loss/mean") == pytest.approx(curve(one, "loss/mean"), rel=1e-5)
     # Each rank's experts computed the copies routed to them: the mean over ranks is the copies per rank.
     last = read_metrics(runs["ep2"] / "metrics.jsonl")[-1]
     assert last["moe/rank_load/mean"] == 1024 * 2 / 2 and last["moe/rank_load/max"] >= last["moe/rank_load/mean"]
@@ -62,9 +55,9 @@ def test_ep_trains_like_one_process_resumes_across_ep_and_exports_the_same(tmp_p
     _train(cfg, tmp_path / "a", 2, 1, *keep)
     _train(cfg, tmp_path / "b", 2, 2, *keep, "--resume.step", "3", "--resume.path", str(tmp_path / "a"))
     _train(cfg, tmp_path / "c", 1, 1, "--resume.step", "6", "--resume.path", str(tmp_path / "b"))
-    chained = [*_curve(tmp_path / "a", "loss/mean")[:3], *_curve(tmp_path / "b", "loss/mean")[:3],
-               *_curve(tmp_path / "c", "loss/mean")]  # fmt: skip
-    assert chained == pytest.approx(_curve(one, "loss/mean"), rel=1e-5)
+    chained = [*curve(tmp_path / "a", "loss/mean")[:3], *curve(tmp_path / "b", "loss/mean")[:3],
+               *curve(tmp_path / "c", "loss/mean")]  # fmt: skip
+    assert chained == pytest.approx(curve(one, "loss/mean"), rel=1e-5)
 
     # The export of an ep = 2 run holds whole expert stacks: the model of the ep = 1 run, up to float rounding.
     want, _ = load_pretrained(one)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lmforge.runtime.hf_folder import load_pretrained
+from lmforge.hf.folder import load_pretrained
 from tests.integration.runner import run_cli, write_config
 from tests.shards import word_tokenizer
 

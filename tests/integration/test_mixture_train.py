@@ -10,32 +10,29 @@ import numpy as np
 import pytest
 
 from lmforge.config import TokensDataConfig
-from lmforge.data import load_tokenizer
 from lmforge.data.shards import list_shards, open_shard
+from lmforge.data.tokenizer import load_tokenizer
 from lmforge.data.tokens import TokenData
 from lmforge.monitor import read_metrics
 from lmforge.prep.mix import SourceSpec, mix_sources
+from tests.conftest import arch_toml, tiny_llama
 from tests.integration.runner import run_cli
 from tests.shards import random_docs, word_tokenizer, write_shard
 
 SEQ, BATCH, STEPS = 32, 256, 6
 
-RUN = """
+RUN = (
+    """
 max_steps = {steps}
 output_dir = "{out}"
 
 [tokenizer]
 name = "{tok}"
 
-[model.arch]
-model_type = "llama"
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 1
-max_position_embeddings = 64
-
+"""
+    + arch_toml(tiny_llama(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=1, max_position_embeddings=64))
+    + """
 [data]
 type = "tokens"
 paths = ["{pool}"]
@@ -50,6 +47,7 @@ lr = 3e-3
 interval = 3
 sets = [{{ name = "held", path = "{held}" }}, {{ name = "flat", path = "{flat}" }}]
 """
+)
 
 
 def per_token_sources(pool: Path) -> tuple[np.ndarray, list[str]]:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from lmforge.checkpoint.layout import read_latest
 from lmforge.monitor import read_metrics
-from lmforge.runtime.checkpoint import read_latest
 from tests.integration.runner import losses, run_cli
 
 pytestmark = pytest.mark.slow

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmforge.hf.folder import load_pretrained
 from lmforge.model.generate import generate
 from lmforge.monitor import read_metrics
-from lmforge.runtime.hf_folder import load_pretrained
 from tests.integration.runner import losses, run_cli
 
 pytestmark = pytest.mark.slow

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from lmforge.launch.sbatch import JobFiles
+from tests.conftest import arch_toml, tiny_llama
 from tests.integration.runner import env_one_thread, losses, run_cli
 from tests.integration.test_tokenize_train import corpus
 from tests.slurm_cluster import SlurmCluster
@@ -25,19 +26,14 @@ from tests.spawn import free_port
 
 pytestmark = pytest.mark.slow
 
-RUN = """
+RUN = (
+    """
 max_steps = {max_steps}
 output_dir = "{output_dir}"
 
-[model.arch]
-model_type = "llama"
-hidden_size = 96
-intermediate_size = 256
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-max_position_embeddings = 256
-
+"""
+    + arch_toml(tiny_llama(hidden_size=96, intermediate_size=256, max_position_embeddings=256))
+    + """
 [data]
 type = "fake"
 seq_len = 128
@@ -57,6 +53,7 @@ procs_per_node = {procs}
 [slurm]
 job_name = "{name}"
 """
+)
 STEPS = 80
 """Steps of the runs compared with the local reference: long enough to signal one in the middle."""
 

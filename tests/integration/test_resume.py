@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from lmforge.checkpoint.layout import list_checkpoints, read_latest
 from lmforge.monitor import read_metrics
-from lmforge.runtime.checkpoint import list_checkpoints, read_latest
 from tests.integration.runner import cli_command, env_one_thread, losses, run_cli, write_config
 
 pytestmark = pytest.mark.slow

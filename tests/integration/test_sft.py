@@ -8,25 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmforge.data import load_tokenizer
+from lmforge.data.tokenizer import load_tokenizer
+from lmforge.hf.folder import load_pretrained
 from lmforge.monitor import read_metrics
-from lmforge.runtime.hf_folder import load_pretrained
 from tests.chat import chat_tokenizer, conversation, write_jsonl
-from tests.integration.runner import losses, run_cli
+from tests.integration.runner import TINY_ARCH, losses, run_cli
 from tests.shards import random_docs, write_shard
 
 pytestmark = pytest.mark.slow
-
-ARCH = """
-[model.arch]
-model_type = "llama"
-hidden_size = 64
-intermediate_size = 128
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-max_position_embeddings = 256
-"""
 
 SFT = """
 max_steps = {steps}
@@ -71,7 +60,7 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_shard(tmp / "shards", "a", random_docs(60, seed=0, eos=tok.eos_id, vocab=tok.size))
     cfg = tmp / "pretrain.toml"
     cfg.write_text(
-        f'max_steps = 4\noutput_dir = "{tmp / "pre"}"\n[tokenizer]\nname = "{tok_dir}"\n{ARCH}\n'
+        f'max_steps = 4\noutput_dir = "{tmp / "pre"}"\n[tokenizer]\nname = "{tok_dir}"\n{TINY_ARCH}\n'
         f'[data]\ntype = "tokens"\npaths = ["{tmp / "shards"}"]\nseq_len = 64\nbatch_tokens = 256\n'
         "micro_batch_tokens = 128\n[optim]\nlr = 3e-3\n"
     )

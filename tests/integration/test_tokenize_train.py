@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from lmforge.commands.tokenize import main as tokenize_main
-from lmforge.data import load_tokenizer
 from lmforge.data.shards import ShardPool
+from lmforge.data.tokenizer import load_tokenizer
 from lmforge.monitor import read_metrics
 from lmforge.prep.tokenizer_train import save_tokenizer_folder, train_bpe
 from tests.integration.runner import run_cli
@@ -117,7 +117,7 @@ def test_datatrove_shards_without_eos_are_rejected(tmp_path: Path) -> None:
     from datatrove.pipeline.tokens import DocumentTokenizer
 
     from lmforge.config import TokensDataConfig
-    from lmforge.data import ShardError
+    from lmforge.data.shards import ShardError
     from lmforge.data.tokens import TokenData
     from lmforge.prep.text_sources import list_input_files
     from lmforge.prep.tokenize import TextReader

@@ -26,12 +26,12 @@ def test_every_token_but_each_chunks_first_is_scored_once() -> None:
     for seq_len in (4, 16, 64):
         rows = chunk_rows(tokens, doc_starts, seq_len, 64, nbytes)
         chunks = sum(-(-len(d) // seq_len) for d in docs)  # a chunk of c tokens scores c - 1
-        scored = sum(int(r.batch["loss_mask"].sum()) for r in rows)
+        scored = sum(int(r.batch.loss_mask.sum()) for r in rows)
         assert scored == len(tokens) - chunks
-        assert all(r.batch["input_ids"].shape == (1, 64) for r in rows)
-        assert max(int(s) for r in rows for s in r.batch["seq_lens"]) <= max(seq_len - 1, 64)
+        assert all(r.batch.input_ids.shape == (1, 64) for r in rows)
+        assert max(int(s) for r in rows for s in r.batch.doc_lens) <= max(seq_len - 1, 64)
         assert sum(r.scored_bytes for r in rows) == sum(
-            int(nbytes[r.batch["target_ids"][r.batch["loss_mask"]].numpy()].sum()) for r in rows
+            int(nbytes[r.batch.target_ids[r.batch.loss_mask].numpy()].sum()) for r in rows
         )
 
 

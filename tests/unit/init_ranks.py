@@ -11,12 +11,13 @@ from pathlib import Path
 
 import torch
 
+from lmforge.config.arch import Glm4MoeArch, LlamaArch
 from lmforge.config.model import ModelConfig
 from lmforge.model import build_model
-from lmforge.model.config import Glm4MoeArch, LlamaArch
-from lmforge.model.expert_parallel import global_view
 from lmforge.model.init import init_weights
-from lmforge.parallel import init_distributed, parallelize, shutdown_distributed
+from lmforge.parallel.experts import global_view
+from lmforge.parallel.fsdp import parallelize
+from lmforge.parallel.process_group import init_distributed, shutdown_distributed
 
 MOE = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 72, "n_routed_experts": 8,
        "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -15,7 +15,7 @@ from lmforge.model.attention import (
     resolve_backend,
 )
 
-SEQ_LENS = [5, 17, 1, 30, 11]
+DOC_LENS = [5, 17, 1, 30, 11]
 
 
 def _qkv(total: int, hq: int, hkv: int, d: int, dtype: torch.dtype, device: str, grad: bool) -> list[torch.Tensor]:
@@ -27,17 +27,17 @@ def _qkv(total: int, hq: int, hkv: int, d: int, dtype: torch.dtype, device: str,
 def _per_segment(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     fn = get_attention(name)
     outs = []
-    for qs, ks, vs in zip(q.split(SEQ_LENS), k.split(SEQ_LENS), v.split(SEQ_LENS), strict=True):
-        mask = DocumentMask.from_seq_lens(torch.tensor([qs.shape[0]], dtype=torch.int32), q.device)
+    for qs, ks, vs in zip(q.split(DOC_LENS), k.split(DOC_LENS), v.split(DOC_LENS), strict=True):
+        mask = DocumentMask.from_doc_lens(torch.tensor([qs.shape[0]], dtype=torch.int32), q.device)
         outs.append(fn(qs, ks, vs, mask))
     return torch.cat(outs)
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens: list[int]) -> torch.Tensor:
     """Independent math: softmax attention per segment with an explicit causal mask, kv heads repeated."""
     groups = q.shape[1] // k.shape[1]
     outs = []
-    for qs, ks, vs in zip(q.split(seq_lens), k.split(seq_lens), v.split(seq_lens), strict=True):
+    for qs, ks, vs in zip(q.split(doc_lens), k.split(doc_lens), v.split(doc_lens), strict=True):
         ks, vs = ks.repeat_interleave(groups, 1), vs.repeat_interleave(groups, 1)
         scores = torch.einsum("thd,shd->hts", qs, ks) / qs.shape[-1] ** 0.5
         n = qs.shape[0]
@@ -47,12 +47,12 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[
 
 
 def _check(name: str, device: str, dtype: torch.dtype, atol: float, backward: bool) -> None:
-    total = sum(SEQ_LENS)
+    total = sum(DOC_LENS)
     q, k, v = _qkv(total, 4, 2, 16, dtype, device, grad=backward)
-    packed = get_attention(name)(q, k, v, DocumentMask.from_seq_lens(torch.tensor(SEQ_LENS), q.device))
+    packed = get_attention(name)(q, k, v, DocumentMask.from_doc_lens(torch.tensor(DOC_LENS), q.device))
     alone = _per_segment(name, q, k, v)
     torch.testing.assert_close(packed, alone, atol=atol, rtol=0)
-    expected = reference(q.float(), k.float(), v.float(), SEQ_LENS)
+    expected = reference(q.float(), k.float(), v.float(), DOC_LENS)
     torch.testing.assert_close(packed.float(), expected, atol=atol * 10, rtol=0)
     if not backward:
         return
@@ -73,7 +73,7 @@ def test_auto_is_exact_past_the_switch_point(monkeypatch: pytest.MonkeyPatch) ->
     lens = [3, 1, 7, 2, 5] * 4
     assert len(equal_length_runs(lens)) * CPU_MASK_AREA_PER_CALL > sum(lens) ** 2
     assert choose_backend(lens, torch.device("cpu")) == "sdpa"
-    monkeypatch.setattr(f"{__name__}.SEQ_LENS", lens)
+    monkeypatch.setattr(f"{__name__}.DOC_LENS", lens)
     _check("auto", "cpu", torch.float32, atol=1e-5, backward=True)
 
 
@@ -103,7 +103,7 @@ def test_auto_resolves_to_a_backend_that_trains_on_cpu() -> None:
 def test_segments_do_not_see_each_other() -> None:
     # Changing the first segment's values must leave the second segment's outputs untouched.
     q, k, v = (torch.randn(8, 2, 4) for _ in range(3))
-    mask = DocumentMask.from_seq_lens(torch.tensor([3, 5]), torch.device("cpu"))
+    mask = DocumentMask.from_doc_lens(torch.tensor([3, 5]), torch.device("cpu"))
     before = get_attention("sdpa")(q, k, v, mask)
     k2, v2 = k.clone(), v.clone()
     k2[:3] += 10.0
@@ -126,7 +126,7 @@ def test_auto_picks_per_segment_sdpa_for_few_segments_on_cpu() -> None:
     assert choose_backend([3, 5] * 64 + [512], cpu) == "sdpa_loop"  # 129 calls
     # The choice is made once per row and shared by every layer of the forward pass.
     q, k, v = _qkv(512, 4, 2, 16, torch.float32, "cpu", grad=False)
-    mask = DocumentMask.from_seq_lens(torch.tensor([512]), q.device)
+    mask = DocumentMask.from_doc_lens(torch.tensor([512]), q.device)
     get_attention("auto")(q, k, v, mask)
     assert mask.cache == {"auto": "sdpa_loop"}  # no dense [T, T] mask was built
 
@@ -135,7 +135,7 @@ def test_sdpa_loop_batches_runs_of_equal_length_exactly(monkeypatch: pytest.Monk
     # Runs of equal-length segments go through one batched call each; outputs and gradients stay per segment.
     lens = [6, 6, 6, 2, 9, 9, 1]
     assert equal_length_runs(lens) == [(6, 3), (2, 1), (9, 2), (1, 1)]
-    monkeypatch.setattr(f"{__name__}.SEQ_LENS", lens)
+    monkeypatch.setattr(f"{__name__}.DOC_LENS", lens)
     _check("sdpa_loop", "cpu", torch.float32, atol=1e-5, backward=True)
 
 

@@ -13,7 +13,7 @@ from lmforge.config.model import MoEBalanceConfig
 from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from lmforge.model.llama import CausalLM
-from lmforge.train.balance import MoEBalancer, load_metrics, load_stats
+from lmforge.train.callbacks.balancing import MoEBalancer, load_metrics, load_stats
 from tests.unit.test_moe import tiny_glm, tiny_qwen3_moe
 
 CPU = torch.device("cpu")
@@ -106,12 +106,12 @@ def test_balancing_repairs_a_skewed_router_and_no_balancing_does_not() -> None:
     assert max(on[-100:]) < 0.5, "within 50 steps balancing brings max_vio below 0.5, and it stays there"
 
 
-def reference_seq_loss(scores: torch.Tensor, indices: torch.Tensor, seq_lens: list[int], k: int) -> torch.Tensor:
+def reference_seq_loss(scores: torch.Tensor, indices: torch.Tensor, doc_lens: list[int], k: int) -> torch.Tensor:
     """sum over segments of sum_i f_i P_i, one segment at a time with plain loops."""
     total = torch.zeros(())
     start = 0
     num_experts = scores.shape[1]
-    for n in seq_lens:
+    for n in doc_lens:
         probs = scores[start : start + n] / scores[start : start + n].sum(-1, keepdim=True)
         chosen = indices[start : start + n]
         for i in range(num_experts):
@@ -131,15 +131,15 @@ def test_sequence_loss_matches_a_per_segment_loop_and_its_gradient_reaches_the_r
     block = next(iter(model.moe_layers().values())).train()
     torch.manual_seed(1)
     x = torch.randn(40, 64)
-    seq_lens = [7, 20, 13]
-    mask = DocumentMask.from_seq_lens(torch.tensor(seq_lens), CPU)
+    doc_lens = [7, 20, 13]
+    mask = DocumentMask.from_doc_lens(torch.tensor(doc_lens), CPU)
     routing = block.gate(x)
     loss = seq_balance_loss(routing, mask.doc_ids, mask.cu_seqlens, 8)
-    expected = reference_seq_loss(routing.scores, routing.indices, seq_lens, 2)
+    expected = reference_seq_loss(routing.scores, routing.indices, doc_lens, 2)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     # Injected gradient == the gradient of the explicit objective (output term + coeff / segments x loss).
     weight = torch.randn(40, 64)
-    scale = 0.3 / len(seq_lens)
+    scale = 0.3 / len(doc_lens)
     block.seq_aux = True
     block.aux_scale.fill_(scale)
     (block(x, mask) * weight).sum().backward()

@@ -9,24 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmforge.checkpoint.checkpointer import Checkpointer
+from lmforge.checkpoint.layout import CheckpointError, find_checkpoint, list_checkpoints, read_latest, retained
+from lmforge.checkpoint.load import check_model_shapes, load_checkpoint, load_model_weights
 from lmforge.config.ckpt import CkptConfig
 from lmforge.config.model import ModelConfig
 from lmforge.config.optim import AdamWConfig
 from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from lmforge.optim import build_optimizer
-from lmforge.parallel import DistContext, init_distributed, parallelize
-from lmforge.runtime.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    check_model_shapes,
-    find_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    load_model_weights,
-    read_latest,
-    retained,
-)
+from lmforge.parallel.fsdp import parallelize
+from lmforge.parallel.process_group import DistContext, init_distributed
 from tests.conftest import tiny_llama
 
 CPU = torch.device("cpu")
@@ -160,8 +153,8 @@ def test_a_checkpoint_of_another_shape_is_refused_by_name(ctx: DistContext, tmp_
 
 
 def test_resuming_in_the_own_run_dir_keeps_one_curve(ctx: DistContext, tmp_path: Path) -> None:
+    from lmforge.checkpoint.run_dir import prepare_output_dir
     from lmforge.config import ConfigError, load_train_config
-    from lmforge.runtime.run_dir import prepare_output_dir
     from tests.integration.runner import write_config
 
     cfg = write_config(tmp_path, "run")

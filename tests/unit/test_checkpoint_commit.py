@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.parallel import DistContext, init_distributed
-from lmforge.runtime import checkpoint
-from lmforge.runtime.checkpoint import is_complete, list_checkpoints, read_latest, step_name
+from lmforge.checkpoint import checkpointer
+from lmforge.checkpoint.layout import is_complete, list_checkpoints, read_latest, step_name
+from lmforge.parallel.process_group import DistContext, init_distributed
 from tests.unit.test_checkpoint import _save
 
 
@@ -44,7 +44,7 @@ def test_replacing_the_checkpoint_latest_names_keeps_latest_valid(
             raise _Killed
         real_replace(src, dst)
 
-    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    monkeypatch.setattr(checkpointer.os, "replace", replace)
     with pytest.raises(_Killed):
         _save(ctx, tmp_path, 4, keep_last=5)
     monkeypatch.undo()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmforge.data.batch import positions_from_seq_lens
+from lmforge.data.batch import positions_from_doc_lens
 from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from lmforge.parallel.fsdp import FULLGRAPH_BACKENDS
@@ -34,7 +34,7 @@ def test_new_segment_layouts_do_not_recompile(backend: str) -> None:
         lens = torch.full((segments,), 96 // segments, dtype=torch.int32)
         lens[-1] += 96 - int(lens.sum())
         ids = torch.randint(0, 256, (1, 96), generator=gen)
-        positions = torch.from_numpy(positions_from_seq_lens(lens.numpy()))[None]
+        positions = torch.from_numpy(positions_from_doc_lens(lens.numpy()))[None]
         out = model(ids, positions, lens)
         out.float().square().mean().backward()
         torch.testing.assert_close(out, eager(ids, positions, lens), atol=1e-5, rtol=1e-5)
@@ -63,7 +63,7 @@ def test_checkpointed_blocks_compile_as_one_graph_and_equal_eager(mode: str) -> 
         block.compile(fullgraph=True)
     lens = torch.tensor([40, 56], dtype=torch.int32)
     ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(1))
-    positions = torch.from_numpy(positions_from_seq_lens(lens.numpy()))[None]
+    positions = torch.from_numpy(positions_from_doc_lens(lens.numpy()))[None]
     losses = []
     for model in (compiled, eager):
         out = model(ids, positions, lens)

@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
+from lmforge.config.arch import LlamaArch
 from lmforge.config.optim import AdamWConfig
 from lmforge.model import build_model
 from lmforge.model.completep import completep_scale, multipliers, role_scales
-from lmforge.model.config import LlamaArch
 from lmforge.model.init import init_weights
 from lmforge.model.roles import param_role
 from lmforge.optim import build_optimizer

@@ -9,19 +9,16 @@ from pydantic import BaseModel
 
 from lmforge.config import ConfigError, TrainConfig, dump_toml, load_train_config
 from lmforge.config.loader import compose, parse_value
+from tests.conftest import arch_toml, tiny_llama
 
-BASE = """
+BASE = (
+    """
 max_steps = 10
 output_dir = "runs/x"
 
-[model.arch]
-model_type = "llama"
-hidden_size = 64
-intermediate_size = 128
-num_hidden_layers = 2
-num_attention_heads = 4
-max_position_embeddings = 1024
-
+"""
+    + arch_toml(tiny_llama(num_key_value_heads=None, max_position_embeddings=1024))
+    + """
 [data]
 type = "fake"
 seq_len = 128
@@ -31,6 +28,7 @@ micro_batch_tokens = 256
 [optim]
 lr = 1e-3
 """
+)
 
 
 @pytest.fixture
@@ -95,7 +93,7 @@ def test_unknown_field_names_file_and_field(base: Path, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("model_type", ["llama", "glm4_moe"])
 def test_an_unknown_arch_field_lists_the_fields_of_its_own_architecture(base: Path, model_type: str) -> None:
-    from lmforge.model.config import Glm4MoeArch, LlamaArch
+    from lmforge.config.arch import Glm4MoeArch, LlamaArch
 
     msg = error_of(["@", str(base), "--model.arch.model-type", model_type, "--model.arch.n-rooted-experts", "8"])
     line = next(x for x in msg.splitlines() if "n_rooted_experts" in x)
@@ -265,7 +263,7 @@ def test_example_configs_are_valid(path: Path, tmp_path: Path) -> None:
     if name is not None and not Path(name).exists():
         # The SFT example starts from the demo's export: stand in the demo's architecture as `lmforge export`
         # writes it, so the example is checked against the model it is meant for.
-        from lmforge.runtime.hf_folder import write_model_files
+        from lmforge.hf.folder import write_model_files
 
         demo, _ = load_train_config(["@", str(path.parents[1] / "pretrain" / "demo.toml")])
         assert demo.model.arch is not None

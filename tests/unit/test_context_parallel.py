@@ -4,6 +4,7 @@ kernels and for the varlen kernels' packing (run with a CPU stand-in of the CUDA
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,13 +13,13 @@ import pytest
 import torch
 
 from lmforge.config.checks import context_problems
+from lmforge.data.batch import MicroBatch
 from lmforge.model.attention import DocumentMask, sdpa_attention
-from lmforge.model.context_parallel import ContextShard, chunk_index
-from lmforge.parallel.context import shard_micro_batch
+from lmforge.parallel.context import ContextShard, chunk_index, shard_micro_batch
 from tests.spawn import free_port, join_as_rank, run_ranks
 
 # Documents cross chunk and rank boundaries; one (20 tokens) is longer than a chunk of 64 / (2 x 4) = 8.
-SEQ_LENS = [5, 20, 3, 9, 1, 14, 12]
+DOC_LENS = [5, 20, 3, 9, 1, 14, 12]
 T, HQ, HKV, D = 64, 4, 2, 8
 
 
@@ -36,7 +37,7 @@ def test_chunks_are_balanced_and_cover_the_row_once() -> None:
 
 
 def test_varlen_pieces_are_runs_of_one_document_in_one_chunk() -> None:
-    from lmforge.model.context_parallel import varlen_layout
+    from lmforge.parallel.context import varlen_layout
 
     # a row of 16 in chunks of 4: rank 0 holds [0, 4) and [12, 16), rank 1 [4, 12); documents [0, 3) [3, 14) [14, 16)
     zero, one = (varlen_layout([3, 11, 2], ContextShard(None, r, 2)) for r in range(2))
@@ -47,25 +48,28 @@ def test_varlen_pieces_are_runs_of_one_document_in_one_chunk() -> None:
 
 
 def test_a_micro_batch_split_keeps_tokens_aligned_and_the_row_whole() -> None:
-    mb = {
-        "input_ids": torch.arange(16)[None],
-        "target_ids": torch.arange(1, 17)[None],
-        "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 1]]),
-        "loss_mask": torch.arange(16)[None] % 3 != 0,
-        "seq_lens": torch.tensor([3, 11, 2], dtype=torch.int32),
-        "source_tokens": torch.tensor([10, 6]),
-    }
+    mb = MicroBatch(
+        input_ids=torch.arange(16)[None],
+        target_ids=torch.arange(1, 17)[None],
+        position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 1]]),
+        loss_mask=torch.arange(16)[None] % 3 != 0,
+        doc_lens=torch.tensor([3, 11, 2], dtype=torch.int32),
+        source_tokens=torch.tensor([10, 6]),
+    )
     parts = [shard_micro_batch(mb, ContextShard(None, r, 2)) for r in range(2)]
     for p, r in zip(parts, range(2), strict=True):
         index = chunk_index(16, r, 2)
         for key in ("input_ids", "target_ids", "position_ids", "loss_mask"):
-            assert torch.equal(p[key], mb[key][:, index])
-        assert torch.equal(p["seq_lens"], mb["seq_lens"])
-    assert parts[0]["source_tokens"].tolist() == [10, 6] and parts[1]["source_tokens"].tolist() == [0, 0]
-    assert int(sum(p["loss_mask"].sum() for p in parts)) == int(mb["loss_mask"].sum())
+            assert torch.equal(getattr(p, key), getattr(mb, key)[:, index])
+        assert torch.equal(p.doc_lens, mb.doc_lens)
+    assert parts[0].source_tokens.tolist() == [10, 6] and parts[1].source_tokens.tolist() == [0, 0]
+    assert int(sum(p.loss_mask.sum() for p in parts)) == int(mb.loss_mask.sum())
     assert shard_micro_batch(mb, ContextShard(None, 0, 1)) is mb
-    with pytest.raises(ValueError, match="'extra' has no context-parallel split"):
-        shard_micro_batch({**mb, "extra": torch.zeros(2)}, ContextShard(None, 0, 2))
+    # Every per-token field of the micro-batch is split: a field added to it must be named in PER_TOKEN or not be
+    # one entry per token.
+    per_token = {f.name for f in dataclasses.fields(MicroBatch) if getattr(mb, f.name) is not None
+                 and getattr(mb, f.name).shape[-1:] == (16,) and f.name != "doc_lens"}  # fmt: skip
+    assert per_token == set(MicroBatch.PER_TOKEN)
 
 
 def _inputs() -> tuple[torch.Tensor, ...]:
@@ -77,7 +81,7 @@ def _inputs() -> tuple[torch.Tensor, ...]:
 def _reference() -> dict[str, list[float]]:
     q, k, v, grad = (x.double() for x in _inputs())
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    mask = DocumentMask.from_seq_lens(torch.tensor(SEQ_LENS), torch.device("cpu"))
+    mask = DocumentMask.from_doc_lens(torch.tensor(DOC_LENS), torch.device("cpu"))
     out = sdpa_attention(q, k, v, mask)
     out.backward(grad)
     return {"out": out.tolist(), "dq": q.grad.tolist(), "dk": k.grad.tolist(), "dv": v.grad.tolist()}
@@ -102,10 +106,10 @@ def _worker(rank: int, port: int, size: int, kernel: str, folder: str) -> None:
     join_as_rank(rank, port, size)
     import torch.distributed as dist
 
-    import lmforge.model.attention as attention
-    from lmforge.model.context_parallel import context_attention
+    import lmforge.parallel.context as context
+    from lmforge.parallel.context import ContextAttention
 
-    attention.varlen_call = bottom_right_varlen  # the kernel is CUDA-only; its packing is what runs here
+    context.varlen_call = bottom_right_varlen  # the kernel is CUDA-only; its packing is what runs here
     dist.init_process_group("gloo")
     try:
         shard = ContextShard(dist.new_group(list(range(size))), rank, size, kernel)
@@ -114,9 +118,8 @@ def _worker(rank: int, port: int, size: int, kernel: str, folder: str) -> None:
         backward = kernel != "flex"  # flex attention has no backward on the CPU
         if backward:
             q, k, v = (x.requires_grad_() for x in (q, k, v))
-        mask = DocumentMask.from_seq_lens(torch.tensor(SEQ_LENS), torch.device("cpu"))
-        mask.shard = shard
-        out = context_attention(q, k, v, mask)
+        mask = DocumentMask.from_doc_lens(torch.tensor(DOC_LENS), torch.device("cpu"))
+        out = ContextAttention(shard)(q, k, v, mask)
         result = {"index": index.tolist(), "out": out.tolist()}
         if backward:
             out.backward(grad)
@@ -167,12 +170,12 @@ def _kernel_check(kernel: str, device: str, dtype: torch.dtype, atol: float, bac
     """Every rank's part of CP attention, computed in one process from the keys and values its group would gather,
     against document-masked attention over the whole row: outputs, the queries' gradients, and the keys' and
     values' gradients summed over the ranks."""
-    from lmforge.model.context_parallel import attend_gathered
+    from lmforge.parallel.context import attend_gathered
 
     dev = torch.device(device)
     q, k, v, grad = (x.to(dev, dtype) for x in _inputs())
     ref_in = [x.clone().requires_grad_(backward) for x in (q, k, v)]
-    mask = DocumentMask.from_seq_lens(torch.tensor(SEQ_LENS), dev)
+    mask = DocumentMask.from_doc_lens(torch.tensor(DOC_LENS), dev)
     ref = sdpa_attention(*ref_in, mask)
     if backward:
         ref.backward(grad)
@@ -183,9 +186,8 @@ def _kernel_check(kernel: str, device: str, dtype: torch.dtype, atol: float, bac
             index, gathered = shard.index(T).to(dev), shard.gathered_index(T).to(dev)
             local_q = q[index].clone().requires_grad_(backward)
             kv = torch.cat([k, v], dim=1)[gathered].clone().requires_grad_(backward)
-            part = DocumentMask.from_seq_lens(torch.tensor(SEQ_LENS), dev)
-            part.shard = shard
-            out = attend_gathered(local_q, kv, HKV, part)
+            part = DocumentMask.from_doc_lens(torch.tensor(DOC_LENS), dev)
+            out = attend_gathered(local_q, kv, HKV, part, shard)
             torch.testing.assert_close(out.float(), ref[index].float(), atol=atol, rtol=0)
             if backward:
                 out.backward(grad[index])
@@ -198,9 +200,9 @@ def _kernel_check(kernel: str, device: str, dtype: torch.dtype, atol: float, bac
 
 @pytest.mark.parametrize("kernel", ["sdpa", "varlen", "flex"])
 def test_each_ranks_part_on_the_cpu(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import lmforge.model.attention as attention
+    import lmforge.parallel.context as context
 
-    monkeypatch.setattr(attention, "varlen_call", bottom_right_varlen)  # the CUDA kernel's semantics, on the CPU
+    monkeypatch.setattr(context, "varlen_call", bottom_right_varlen)  # the CUDA kernel's semantics, on the CPU
     _kernel_check(kernel, "cpu", torch.float64, atol=1e-10, backward=kernel != "flex")
 
 

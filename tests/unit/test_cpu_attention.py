@@ -21,7 +21,7 @@ def qkv(total: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "seq_lens",
+    "doc_lens",
     [
         [512],  # one window: split
         [LOW, LOW + 1, HIGH - 1],  # both ends of the split range, an odd length
@@ -29,10 +29,10 @@ def qkv(total: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
         [300, 300, 300, 40, 40, 7, 1, 1, 600],  # runs of equal lengths, split and not, one-token segments
     ],
 )
-def test_equals_explicit_mask_softmax_with_gradients(seq_lens: list[int]) -> None:
-    q, k, v = qkv(sum(seq_lens), torch.float64, seed=len(seq_lens))
-    out = cpu_segment_attention(q, k, v, seq_lens)
-    ref = reference(q, k, v, seq_lens)
+def test_equals_explicit_mask_softmax_with_gradients(doc_lens: list[int]) -> None:
+    q, k, v = qkv(sum(doc_lens), torch.float64, seed=len(doc_lens))
+    out = cpu_segment_attention(q, k, v, doc_lens)
+    ref = reference(q, k, v, doc_lens)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
     grad_out = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
@@ -42,11 +42,11 @@ def test_equals_explicit_mask_softmax_with_gradients(seq_lens: list[int]) -> Non
 
 def test_float32_matches_torch_sdpa_per_segment() -> None:
     # In the training dtype, against F.scaled_dot_product_attention called once per segment.
-    seq_lens = [512, 512, 130, 382]
-    q, k, v = qkv(sum(seq_lens), torch.float32, seed=3)
-    out = cpu_segment_attention(q, k, v, seq_lens)
+    doc_lens = [512, 512, 130, 382]
+    q, k, v = qkv(sum(doc_lens), torch.float32, seed=3)
+    out = cpu_segment_attention(q, k, v, doc_lens)
     parts = []
-    for qs, ks, vs in zip(q.split(seq_lens), k.split(seq_lens), v.split(seq_lens), strict=True):
+    for qs, ks, vs in zip(q.split(doc_lens), k.split(doc_lens), v.split(doc_lens), strict=True):
         o = torch.nn.functional.scaled_dot_product_attention(
             qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), is_causal=True, enable_gqa=True
         )
@@ -88,7 +88,7 @@ def test_kernel_calls_per_run(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(cpu_attention, "_flash", counting)
     q, k, v = (x.detach() for x in qkv(8 * 512, torch.float32, seed=0))
-    mask = DocumentMask.from_seq_lens(torch.tensor([512] * 8), q.device)
+    mask = DocumentMask.from_doc_lens(torch.tensor([512] * 8), q.device)
     get_attention("auto")(q, k, v, mask)
     assert calls == [(8, 64, 64 * (i + 1), i > 0) for i in range(8)]
     calls.clear()
@@ -97,11 +97,11 @@ def test_kernel_calls_per_run(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_bf16_runs_and_stays_close() -> None:
-    seq_lens = [400, 64]
-    q, k, v = (x.detach().bfloat16().requires_grad_() for x in qkv(sum(seq_lens), torch.float32, seed=5))
-    out = cpu_segment_attention(q, k, v, seq_lens)
+    doc_lens = [400, 64]
+    q, k, v = (x.detach().bfloat16().requires_grad_() for x in qkv(sum(doc_lens), torch.float32, seed=5))
+    out = cpu_segment_attention(q, k, v, doc_lens)
     assert out.dtype == torch.bfloat16
-    ref = reference(q.double(), k.double(), v.double(), seq_lens)
+    ref = reference(q.double(), k.double(), v.double(), doc_lens)
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=0)
     out.float().square().sum().backward()
     assert q.grad is not None and k.grad is not None and v.grad is not None

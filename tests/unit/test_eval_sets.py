@@ -121,7 +121,7 @@ def test_ppl_documents_come_after_an_eos_and_end_with_one(tok: TokenizerInfo) ->
     assert tokens.tolist() == docs[0] + docs[1] and starts.tolist() == [len(docs[0])]
     rows = chunk_rows(tokens, starts, 64, 64, np.ones(400, dtype=np.int64))
     # every token after each document's leading EOS is scored: the texts and their closing EOS
-    assert sum(int(r.batch["loss_mask"].sum()) for r in rows) == len(tokens) - 2
+    assert sum(int(r.batch.loss_mask.sum()) for r in rows) == len(tokens) - 2
 
 
 def test_trailing_whitespace_moves_into_the_continuation(tok: TokenizerInfo) -> None:
@@ -192,12 +192,12 @@ def test_packed_rows_score_each_continuation_token_once_and_no_padding() -> None
     seen: dict[int, list[int]] = {}
     for row in rows:
         b, ids = row.batch, row.request_ids
-        assert b["input_ids"].shape == (1, 24) and ids.shape == (24,) and int(b["seq_lens"].sum()) == 24
-        assert (b["loss_mask"][0].numpy() == (ids >= 0)).all()
+        assert b.input_ids.shape == (1, 24) and ids.shape == (24,) and int(b.doc_lens.sum()) == 24
+        assert (b.loss_mask[0].numpy() == (ids >= 0)).all()
         for pos in np.flatnonzero(ids >= 0):
-            seen.setdefault(int(ids[pos]), []).append(int(b["target_ids"][0, pos]))
+            seen.setdefault(int(ids[pos]), []).append(int(b.target_ids[0, pos]))
         if ids[-1] < 0:  # the unscored padding segment closes the row
-            assert int(b["seq_lens"][-1]) == 24 - sum(len(requests[k].tokens) - 1 for k in set(ids[ids >= 0]))
+            assert int(b.doc_lens[-1]) == 24 - sum(len(requests[k].tokens) - 1 for k in set(ids[ids >= 0]))
     assert seen == {k: r.continuation.tolist() for k, r in enumerate(requests)}
     with pytest.raises(ValueError, match=r"request \(item 3, choice 0\) needs 25 positions"):
         pack_requests([_request([1] * 20, [2] * 6, 3)], 24)

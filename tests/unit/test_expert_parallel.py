@@ -58,7 +58,7 @@ def _worker(rank: int, port: int, folder: str, impl: str) -> None:
     join_as_rank(rank, port)
     import torch.distributed as dist
 
-    from lmforge.model.expert_parallel import ExpertShard
+    from lmforge.parallel.experts import ExpertShard, shard_experts
 
     dist.init_process_group("gloo")
     try:
@@ -67,7 +67,7 @@ def _worker(rank: int, port: int, folder: str, impl: str) -> None:
             mine = _inputs(case, rank)
             local = _run(_experts(impl), *mine)
             sharded = _experts(impl)
-            sharded.shard(ExpertShard(dist.group.WORLD, rank, 2))
+            shard_experts(sharded, ExpertShard(dist.group.WORLD, rank, 2))
             remote = _run(sharded, *mine)
             # The reference weight gradient: every rank's copies through the whole stacks in one process.
             whole = _experts(impl)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from lmforge.config import FakeDataConfig
-from lmforge.data import build_step_data
 from lmforge.data.batch import StepLayout, Window, pack_windows, segments_from_doc_starts
 from lmforge.data.fake import fake_window
+from lmforge.data.stream import build_step_data
 
 
 def cfg(**fields: object) -> FakeDataConfig:
@@ -19,17 +19,17 @@ def test_micro_batch_contract() -> None:
     mbs = build_step_data(cfg(), 0, 1).next_step()
     assert len(mbs) == 4
     for mb in mbs:
-        assert set(mb) == {"input_ids", "target_ids", "position_ids", "loss_mask", "seq_lens"}
+        assert mb.source_tokens is None  # fake data has no mixture sources
         for key in ("input_ids", "target_ids", "position_ids"):
-            assert mb[key].dtype == torch.int64 and mb[key].shape == (1, 128)
-        assert mb["loss_mask"].dtype == torch.bool and bool(mb["loss_mask"].all())
-        assert mb["seq_lens"].dtype == torch.int32 and int(mb["seq_lens"].sum()) == 128
+            assert getattr(mb, key).dtype == torch.int64 and getattr(mb, key).shape == (1, 128)
+        assert mb.loss_mask.dtype == torch.bool and bool(mb.loss_mask.all())
+        assert mb.doc_lens.dtype == torch.int32 and int(mb.doc_lens.sum()) == 128
         # positions restart at 0 at every segment
-        starts = torch.cumsum(mb["seq_lens"], 0) - mb["seq_lens"]
-        assert torch.all(mb["position_ids"][0, starts.long()] == 0)
-        assert int(mb["position_ids"].max()) == int(mb["seq_lens"].max()) - 1
+        starts = torch.cumsum(mb.doc_lens, 0) - mb.doc_lens
+        assert torch.all(mb.position_ids[0, starts.long()] == 0)
+        assert int(mb.position_ids.max()) == int(mb.doc_lens.max()) - 1
         # targets are the inputs shifted by one inside each window
-        assert torch.equal(mb["input_ids"][0, 1:64], mb["target_ids"][0, :63])
+        assert torch.equal(mb.input_ids[0, 1:64], mb.target_ids[0, :63])
 
 
 def test_windows_split_into_documents_only_with_masking() -> None:
@@ -69,8 +69,8 @@ def test_global_stream_does_not_depend_on_world_size() -> None:
     one = build_step_data(c, 0, 1)
     two = [build_step_data(c, r, 2) for r in range(2)]
     for _ in range(3):
-        whole = torch.cat([mb["input_ids"] for mb in one.next_step()], dim=1)
-        dealt = torch.cat([mb["input_ids"] for r in range(2) for mb in two[r].next_step()], dim=1)
+        whole = torch.cat([mb.input_ids for mb in one.next_step()], dim=1)
+        dealt = torch.cat([mb.input_ids for r in range(2) for mb in two[r].next_step()], dim=1)
         assert torch.equal(whole, dealt)
 
 
@@ -82,7 +82,7 @@ def test_resume_continues_the_stream() -> None:
     b = build_step_data(cfg(), 0, 1)
     b.load_state_dict(state)
     got = b.next_step()
-    assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(expected, got, strict=True))
+    assert all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(expected, got, strict=True))
 
 
 def test_layout_gradient_accumulation() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from lmforge.model import build_model
+from lmforge.train.callbacks.spike_flags import SpikeDetector
 from lmforge.train.flops import FlopCounter, attended_pairs, param_counts, peak_flops
-from lmforge.train.health import SpikeDetector
 from tests.conftest import tiny_llama
 
 CPU = torch.device("cpu")

@@ -15,7 +15,7 @@ import torch
 from lmforge.config.loader import ConfigError
 from lmforge.model import build_model
 from lmforge.model.fp8 import apply_fp8, check_fp8_device, describe_fp8, fp8_layers
-from lmforge.parallel import DistContext, init_distributed
+from lmforge.parallel.process_group import DistContext, init_distributed
 from lmforge.train.trainer import Trainer
 from tests.conftest import tiny_llama
 from tests.integration.runner import losses, run_cli, write_config

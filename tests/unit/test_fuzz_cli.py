@@ -308,10 +308,10 @@ def quiet_env(monkeypatch: pytest.MonkeyPatch) -> None:
     def tripwire(*args: object, **kwargs: object) -> None:
         raise AssertionError("a fuzzed `lmforge train ... --dry-run` went on to prepare a run")
 
+    import lmforge.checkpoint.run_dir
     import lmforge.eval.worker
-    import lmforge.runtime.run_dir
 
-    monkeypatch.setattr(lmforge.runtime.run_dir, "prepare_run", tripwire)
+    monkeypatch.setattr(lmforge.checkpoint.run_dir, "prepare_run", tripwire)
     monkeypatch.setattr(lmforge.eval.worker, "run_worker", lambda *args, **kwargs: None)
 
 
@@ -643,13 +643,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     `lmforge sample` gets as far as generating, and a long prompt overflows the context."""
     import torch
 
+    from lmforge.config.arch import LlamaArch
     from lmforge.data.tokenizer import load_tokenizer
+    from lmforge.hf.folder import write_model_files
+    from lmforge.hf.names import export_tensors
+    from lmforge.hf.weights import write_safetensors
     from lmforge.model import build_model
-    from lmforge.model.config import LlamaArch
-    from lmforge.model.hf_names import export_tensors
-    from lmforge.model.hf_weights import write_safetensors
     from lmforge.prep.tokenizer_train import save_tokenizer_folder, train_bpe
-    from lmforge.runtime.hf_folder import write_model_files
 
     folder = tmp_path_factory.mktemp("tiny_model")
     save_tokenizer_folder(train_bpe(["to be or not to be", "that is the question"], 300, 1), folder)

@@ -10,19 +10,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lmforge.model import build_model
-from lmforge.model.config import LlamaArch, Qwen3Arch
-from lmforge.model.hf_config import (
+from lmforge.config.arch import AnyArch, LlamaArch, Qwen3Arch
+from lmforge.config.hf_config import (
     HFModelError,
     HFModelInfo,
     arch_to_hf_config,
     generation_config,
     read_hf_config,
 )
-from lmforge.model.hf_weights import INDEX_FILE, SINGLE_FILE, load_hf_weights, write_safetensors
+from lmforge.hf.weights import INDEX_FILE, SINGLE_FILE, load_hf_weights, write_safetensors
+from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from lmforge.model.llama import CausalLM
-from lmforge.parallel import DistContext, init_distributed
+from lmforge.parallel.process_group import DistContext, init_distributed
 from tests.conftest import tiny_llama, tiny_qwen3
 
 transformers = pytest.importorskip("transformers")
@@ -214,8 +214,10 @@ def test_fsdp_sharded_parameters_load(ctx: DistContext, tmp_path: Path) -> None:
             assert torch.equal(dict(model.named_parameters())[name].full_tensor(), tensor), name
 
 
-def _write_config(folder: Path, **changes: object) -> Path:
-    config = arch_to_hf_config(tiny_qwen3(), VOCAB, bos_id=None, eos_id=2, pad_id=None, dtype="float32")
+def write_hf_config(folder: Path, arch: AnyArch | None = None, **changes: object) -> Path:
+    """The config.json of `arch` (the tiny Qwen3 by default) in `folder`, with `changes` applied (None: a key
+    left out)."""
+    config = arch_to_hf_config(arch or tiny_qwen3(), VOCAB, bos_id=None, eos_id=2, pad_id=None, dtype="float32")
     for key, value in changes.items():
         if value is None:
             config.pop(key, None)
@@ -247,7 +249,7 @@ def _write_config(folder: Path, **changes: object) -> Path:
     ids=lambda v: "-".join(v) if isinstance(v, dict) else None,
 )
 def test_unsupported_configs_name_file_and_field(changes: dict[str, object], match: str, tmp_path: Path) -> None:
-    folder = _write_config(tmp_path, **changes)
+    folder = write_hf_config(tmp_path, **changes)
     with pytest.raises(HFModelError, match=match) as err:
         read_hf_config(folder)
     assert str(folder / "config.json") in str(err.value)
@@ -262,7 +264,7 @@ def test_missing_config_and_folder(tmp_path: Path) -> None:
 
 def test_config_defaults_and_eos_list(tmp_path: Path) -> None:
     # Absent fields mean what transformers' classes default to, not what lmforge defaults to.
-    folder = _write_config(
+    folder = write_hf_config(
         tmp_path,
         head_dim=None,
         rms_norm_eps=None,
@@ -280,7 +282,7 @@ def test_config_defaults_and_eos_list(tmp_path: Path) -> None:
     assert info.arch.max_position_embeddings == 32768
     assert info.eos_id == 9 and info.bos_id is None and info.torch_dtype == "bfloat16"
     # A transformers 4 config: the base only at the top level, rope_scaling of the default type.
-    folder = _write_config(tmp_path / "v4", rope_parameters=None, rope_theta=5e5, rope_scaling={"type": "default"})
+    folder = write_hf_config(tmp_path / "v4", rope_parameters=None, rope_theta=5e5, rope_scaling={"type": "default"})
     assert read_hf_config(folder).arch.rope_theta == 5e5
 
 

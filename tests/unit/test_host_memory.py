@@ -10,7 +10,7 @@ import pytest
 
 # Each measurement runs in a fresh process, as a training run starts. Whether glibc can keep a freed 48 MiB block
 # depends on where the kernel placed that process's heap: measured here, 4 of 10 fresh processes reuse it with the
-# setting and the other 6 map it afresh each time (see lmforge.runtime.host_memory). Without the setting no process
+# setting and the other 6 map it afresh each time (see lmforge.train.host_memory). Without the setting no process
 # reuses it. So the test asks for every process to fault without the setting, and for some process to reuse the
 # block with it.
 PROCESSES = 16
@@ -18,7 +18,7 @@ PROCESSES = 16
 MEASURE = """
 import json, resource, sys
 import torch
-from lmforge.runtime.host_memory import retain_freed_memory
+from lmforge.train.host_memory import retain_freed_memory
 
 def faults(elements):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -24,12 +24,13 @@ import lmforge.eval.scoring as scoring
 import lmforge.train.micro_batches as micro_batches
 import lmforge.train.trainer as trainer_module
 from lmforge.config import TrainConfig
+from lmforge.data.batch import MicroBatch
 from lmforge.eval.validation import Validator
 from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from lmforge.model.moe import Experts
-from lmforge.parallel import DistContext, init_distributed
-from lmforge.train.callbacks import Validation
+from lmforge.parallel.process_group import DistContext, init_distributed
+from lmforge.train.callbacks.validation import Validation
 from lmforge.train.trainer import Trainer
 from tests.chat import chat_tokenizer, conversation, write_jsonl
 from tests.conftest import tiny_llama
@@ -55,14 +56,14 @@ def test_an_injected_item_and_mask_index_are_caught_with_their_lines(
     lines = {}
     plain = micro_batches.token_loss_sum
 
-    def leaky_loss(model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    def leaky_loss(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         loss = plain(model, mb)
         lines["item"] = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
         loss.item()
         lines["mask"] = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
-        _ = mb["target_ids"][mb["loss_mask"]]
-        mb["seq_lens"].tolist()  # seq_lens stays on the host: reading it is free
-        mb["loss_mask"].sum().tolist()
+        _ = mb.target_ids[mb.loss_mask]
+        mb.doc_lens.tolist()  # doc_lens stays on the host: reading it is free
+        mb.loss_mask.sum().tolist()
         return loss
 
     monkeypatch.setattr(micro_batches, "token_loss_sum", leaky_loss)
@@ -202,7 +203,7 @@ CASES: dict[str, Any] = {
 LOOP_READ = "Tensor.tolist at src/lmforge/model/moe.py"
 """The one host read the checks expect: the per-expert `loop` reference reads the expert sizes (see `Experts`)."""
 
-EP_READ = "Tensor.tolist at src/lmforge/model/expert_parallel.py"
+EP_READ = "Tensor.tolist at src/lmforge/parallel/experts.py"
 """The expert-parallel dispatch's one host read: the exchange sizes `all_to_all_single` takes as host ints."""
 
 
@@ -279,7 +280,7 @@ def test_one_process_steps_and_validation_never_read_the_device(
 
 def _two_rank_worker(rank: int, port: int, tmp: str) -> None:
     join_as_rank(rank, port)
-    from lmforge.parallel import shutdown_distributed
+    from lmforge.parallel.process_group import shutdown_distributed
 
     ctx = init_distributed(timeout_minutes=2)
     found: dict[str, list[str]] = {}

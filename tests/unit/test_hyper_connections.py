@@ -12,11 +12,12 @@ import pytest
 import torch
 from torch import Tensor
 
+from lmforge.config.hf_config import RESEARCH_MODEL_TYPE, arch_to_hf_config, read_hf_config
 from lmforge.config.optim import AdamWConfig, MuonConfig
+from lmforge.hf.folder import load_pretrained
 from lmforge.model import build_model
 from lmforge.model.completep import role_scales
 from lmforge.model.generate import KVCache, forward_with_cache
-from lmforge.model.hf_config import RESEARCH_MODEL_TYPE, arch_to_hf_config, read_hf_config
 from lmforge.model.hyper_connections import HyperConnection
 from lmforge.model.init import declared_init_rules, init_role, init_weights
 from lmforge.model.llama import CausalLM
@@ -25,7 +26,6 @@ from lmforge.model.params import count_params
 from lmforge.model.roles import param_role
 from lmforge.optim import build_optimizer
 from lmforge.parallel.fsdp import apply_activation_checkpointing
-from lmforge.runtime.hf_folder import load_pretrained
 from tests.unit.test_moe import tiny_glm
 from tests.unit.test_moe_export import VOCAB, _export, _ids, _lmforge, _logits
 

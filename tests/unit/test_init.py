@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from lmforge.config.arch import Glm4MoeArch
 from lmforge.model import build_model
-from lmforge.model.config import Glm4MoeArch
 from lmforge.model.init import ROWS_PER_BLOCK, init_weights, normal_rows
 from tests.conftest import tiny_llama
 from tests.integration.runner import cli_command, env_one_thread

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmforge.data.batch import positions_from_seq_lens
+from lmforge.data.batch import positions_from_doc_lens
 from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from lmforge.model.loss import CPU_LOSS_CHUNK_TOKENS, IGNORE_INDEX, head_cross_entropy, resolve_loss_chunk
@@ -37,7 +37,7 @@ def test_model_loss_with_chunks_equals_the_logits_path(one_thread: None) -> None
     init_weights(model, 0.05, seed=1)
     lens = torch.tensor([20, 44], dtype=torch.int32)
     ids = torch.randint(0, 256, (1, 65), generator=torch.Generator().manual_seed(2))
-    positions = torch.from_numpy(positions_from_seq_lens(lens.numpy()))[None]
+    positions = torch.from_numpy(positions_from_doc_lens(lens.numpy()))[None]
     targets = ids[:, 1:].clone()
     targets[0, 19] = IGNORE_INDEX  # the last token of a document predicts nothing
     grads = []

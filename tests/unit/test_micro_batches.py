@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lmforge.checkpoint.run_dir import prepare_output_dir
 from lmforge.config import TrainConfig
 from lmforge.data.batch import MicroBatch, null_micro_batch
 from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from lmforge.monitor import read_metrics
-from lmforge.parallel import DistContext, init_distributed
-from lmforge.runtime.run_dir import prepare_output_dir
+from lmforge.parallel.process_group import DistContext, init_distributed
 from lmforge.train.micro_batches import run_micro_batches
 from lmforge.train.trainer import Trainer
 from tests.conftest import tiny_llama
@@ -51,13 +51,13 @@ def make_batches(n: int, t: int = 32, vocab: int = 100, seed: int = 0) -> list[M
         ids = torch.randint(0, vocab, (1, t + 1), generator=g)
         mask = torch.rand(1, t, generator=g) > 0.3
         out.append(
-            {
-                "input_ids": ids[:, :-1],
-                "target_ids": ids[:, 1:],
-                "position_ids": torch.arange(t)[None],
-                "loss_mask": mask,
-                "seq_lens": torch.tensor([t], dtype=torch.int32),
-            }
+            MicroBatch(
+                input_ids=ids[:, :-1],
+                target_ids=ids[:, 1:],
+                position_ids=torch.arange(t)[None],
+                loss_mask=mask,
+                doc_lens=torch.tensor([t], dtype=torch.int32),
+            )
         )
     return out
 
@@ -70,9 +70,9 @@ def test_accumulated_gradient_is_the_mean_over_all_loss_tokens(ctx: DistContext,
     accumulated = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     # reference: one forward over the concatenated rows, mean over all loss tokens
-    logits = torch.cat([model(b["input_ids"], b["position_ids"], b["seq_lens"]) for b in batches], dim=1)
-    targets = torch.cat([b["target_ids"] for b in batches], dim=1)
-    mask = torch.cat([b["loss_mask"] for b in batches], dim=1)
+    logits = torch.cat([model(b.input_ids, b.position_ids, b.doc_lens) for b in batches], dim=1)
+    targets = torch.cat([b.target_ids for b in batches], dim=1)
+    mask = torch.cat([b.loss_mask for b in batches], dim=1)
     ce = F.cross_entropy(logits[0].float(), targets[0], reduction="none")
     loss = ce[mask[0]].mean()
     loss.backward()
@@ -116,7 +116,7 @@ def poisoned_vs_clean(
     """Train on `batches` with micro-batch `bad` = (step, index) turned NaN, and again with it replaced by an empty
     loss mask (which adds nothing); returns both runs' metrics, the poison hits and whether the weights agree."""
     poisoned = Trainer(config, ctx, console=False)
-    hook = _Poison(batches[bad[0]][bad[1]]["input_ids"] if bad else None)
+    hook = _Poison(batches[bad[0]][bad[1]].input_ids if bad else None)
     poisoned.model.model.embed_tokens.register_forward_hook(hook)
     metrics = [poisoned.train_step(b, 0.0) for b in batches]
     got = _params(poisoned)
@@ -199,7 +199,7 @@ def test_activation_checkpointing_keeps_the_losses(
 def _matmuls_in_backward(mode: str) -> int:
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lmforge.parallel import apply_activation_checkpointing
+    from lmforge.parallel.fsdp import apply_activation_checkpointing
 
     class Count(TorchDispatchMode):
         def __init__(self) -> None:
@@ -216,7 +216,7 @@ def _matmuls_in_backward(mode: str) -> int:
     if mode != "none":
         apply_activation_checkpointing(model.blocks, 1, mode)
     (mb,) = make_batches(1, vocab=128)
-    loss = model(mb["input_ids"], mb["position_ids"], mb["seq_lens"]).float().square().mean()
+    loss = model(mb.input_ids, mb.position_ids, mb.doc_lens).float().square().mean()
     with Count() as count:
         loss.backward()
     return count.n
@@ -251,7 +251,7 @@ def test_micro_batch_loop_never_syncs_with_the_host() -> None:
     model = build_model(tiny_llama(), 128, "auto", device)
     init_weights(model, 0.02, 0)
     model.to(device)
-    batches = [{k: v.pin_memory() for k, v in mb.items()} for mb in make_batches(3)]
+    batches = [mb.pin_memory() for mb in make_batches(3)]
     run_micro_batches(model, batches, device)  # warm up kernels and caches outside the checked region
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

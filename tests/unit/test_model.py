@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmforge.data.batch import positions_from_seq_lens
+from lmforge.data.batch import positions_from_doc_lens
 from lmforge.model import build_model
 from lmforge.model.init import init_role, init_weights
 from lmforge.model.llama import CausalLM
@@ -57,7 +57,7 @@ def test_packed_row_equals_documents_run_alone() -> None:
     lens = torch.tensor([7, 20, 13], dtype=torch.int32)
     ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        packed = model(ids, torch.from_numpy(positions_from_seq_lens(lens.numpy()))[None], lens)
+        packed = model(ids, torch.from_numpy(positions_from_doc_lens(lens.numpy()))[None], lens)
         alone = [
             model(chunk, torch.arange(chunk.shape[1])[None], torch.tensor([chunk.shape[1]]))
             for chunk in ids.split(lens.tolist(), dim=1)

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from lmforge.config.arch import Glm4MoeArch, MoESpec, Qwen3MoeArch
 from lmforge.model import build_model
 from lmforge.model.attention import DocumentMask
 from lmforge.model.completep import completep_scale
-from lmforge.model.config import Glm4MoeArch, MoESpec, Qwen3MoeArch
 from lmforge.model.init import init_weights
 from lmforge.model.llama import MLP, CausalLM
 from lmforge.model.moe import MoE
@@ -316,7 +316,7 @@ def test_compiled_block_equals_eager() -> None:
     block = model.blocks[0]
     x = _x(24).requires_grad_()
     cos, sin = rotary_cos_sin(torch.arange(24), 16, 1e6, torch.float32)
-    mask = DocumentMask.from_seq_lens(torch.tensor([10, 14]), CPU)
+    mask = DocumentMask.from_doc_lens(torch.tensor([10, 14]), CPU)
     eager = block(x, cos, sin, mask)
     eager.square().sum().backward()
     grads = {n: p.grad.clone() for n, p in block.named_parameters()}

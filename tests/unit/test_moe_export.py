@@ -12,14 +12,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from lmforge.config.arch import Glm4MoeArch, Qwen3MoeArch
+from lmforge.config.hf_config import HFModelError, arch_to_hf_config, read_hf_config
+from lmforge.hf.names import export_tensors
+from lmforge.hf.weights import SINGLE_FILE, load_hf_weights, write_safetensors
 from lmforge.model import build_model
-from lmforge.model.config import Glm4MoeArch, Qwen3MoeArch
-from lmforge.model.hf_config import HFModelError, arch_to_hf_config, read_hf_config
-from lmforge.model.hf_names import export_tensors
-from lmforge.model.hf_weights import SINGLE_FILE, load_hf_weights, write_safetensors
 from lmforge.model.init import init_weights
 from lmforge.model.llama import CausalLM
-from lmforge.parallel import DistContext, init_distributed
+from lmforge.parallel.process_group import DistContext, init_distributed
+from tests.unit.test_hf import write_hf_config
 from tests.unit.test_moe import tiny_glm, tiny_qwen3_moe
 
 transformers = pytest.importorskip("transformers")
@@ -245,18 +246,6 @@ def test_fsdp_sharded_moe_loads(ctx: DistContext, tmp_path: Path) -> None:
     assert model.moe_layers()[1].tokens_per_expert.sum() == 0, "loading zeroes the statistics"
 
 
-def _write_config(folder: Path, arch: Arch, **changes: object) -> Path:
-    config = arch_to_hf_config(arch, VOCAB, bos_id=None, eos_id=2, pad_id=None, dtype="float32")
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
-
-
 @pytest.mark.parametrize(
     ("arch", "changes", "match"),
     [
@@ -271,7 +260,7 @@ def _write_config(folder: Path, arch: Arch, **changes: object) -> Path:
 )
 def test_unsupported_configs_name_file_and_field(arch: Arch, changes: dict[str, object], match: str,
                                                  tmp_path: Path) -> None:  # fmt: skip
-    folder = _write_config(tmp_path, arch, **changes)
+    folder = write_hf_config(tmp_path, arch, **changes)
     with pytest.raises(HFModelError, match=match) as err:
         read_hf_config(folder)
     assert str(folder / "config.json") in str(err.value)
@@ -280,11 +269,11 @@ def test_unsupported_configs_name_file_and_field(arch: Arch, changes: dict[str, 
 def test_absent_fields_take_transformers_defaults(tmp_path: Path) -> None:
     drop = dict.fromkeys(("n_shared_experts", "first_k_dense_replace", "norm_topk_prob", "partial_rotary_factor",
                           "rope_parameters", "head_dim", "num_nextn_predict_layers"))  # fmt: skip
-    glm = read_hf_config(_write_config(tmp_path / "glm", tiny_glm(n_shared_experts=2), **drop)).arch
+    glm = read_hf_config(write_hf_config(tmp_path / "glm", tiny_glm(n_shared_experts=2), **drop)).arch
     assert isinstance(glm, Glm4MoeArch)
     assert (glm.n_shared_experts, glm.first_k_dense_replace, glm.norm_topk_prob) == (1, 1, True)
     assert glm.partial_rotary_factor == 0.5 and glm.head_dim is None and glm.load_balance_coeff is None
-    qwen = read_hf_config(_write_config(tmp_path / "qwen", tiny_qwen3_moe(), num_experts=None, num_local_experts=6,
+    qwen = read_hf_config(write_hf_config(tmp_path / "qwen", tiny_qwen3_moe(), num_experts=None, num_local_experts=6,
                                         norm_topk_prob=None, head_dim=None))  # fmt: skip
     assert isinstance(qwen.arch, Qwen3MoeArch)
     assert (qwen.arch.num_experts, qwen.arch.norm_topk_prob, qwen.arch.head_dim) == (6, False, None)

@@ -6,20 +6,21 @@ and a model with options exports as `lmforge_moe` and loads back exactly (plain 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from lmforge.config.arch import Glm4MoeArch
+from lmforge.config.hf_config import RESEARCH_MODEL_TYPE, arch_to_hf_config, read_hf_config
+from lmforge.hf.folder import load_pretrained
 from lmforge.model import build_model
-from lmforge.model.config import Glm4MoeArch
-from lmforge.model.hf_config import RESEARCH_MODEL_TYPE, arch_to_hf_config, read_hf_config
 from lmforge.model.init import init_weights
 from lmforge.model.llama import exclusive
 from lmforge.model.moe import MoE
-from lmforge.runtime.hf_folder import load_pretrained
-from lmforge.train.balance import load_metrics
+from lmforge.train.callbacks.balancing import load_metrics
 from tests.unit.test_moe import tiny_glm
 from tests.unit.test_moe_export import VOCAB, _export, _ids, _lmforge, _logits
 
@@ -190,23 +191,19 @@ def test_situ_glu_caps_both_factors() -> None:
     assert torch.allclose(glu(small, small, "situ_glu"), glu(small, small), rtol=1e-3)
 
 
-def test_latent_dispatch_sends_latent_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lmforge.model.expert_parallel import ExpertShard
-    from lmforge.model.moe import Experts
-
+def test_latent_dispatch_sends_latent_rows() -> None:
     widths: list[int] = []
 
-    def exchanged(self: Experts, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def exchange(xs: torch.Tensor, counts: torch.Tensor, compute: Callable[..., torch.Tensor]) -> torch.Tensor:
         widths.append(xs.shape[-1])  # what the all-to-all would send
-        return self._compute(xs, counts)
+        return compute(xs, counts)
 
-    monkeypatch.setattr(Experts, "_exchanged", exchanged)
     model = build_model(tiny_glm(moe_latent_size=16), VOCAB, "sdpa", CPU)
     init_weights(model, 0.1, seed=0)
     moe = model.moe_layers()[1]
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(1))
     plain = moe(x)
-    moe.experts.ep = ExpertShard(None, 0, 2)  # stacks left whole: only the exchange path is taken
+    moe.experts.exchange = exchange  # stacks left whole: only the exchange path is taken
     assert torch.equal(moe(x), plain) and widths == [16]
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lmforge.config import FakeDataConfig
-from lmforge.data import build_step_data
 from lmforge.data.prefetch import Prefetcher
+from lmforge.data.stream import build_step_data
 from tests.shards import random_docs, word_tokenizer, write_shard
 
 CFG = FakeDataConfig(seq_len=64, batch_tokens=512, micro_batch_tokens=128, pattern="counting")
@@ -25,7 +25,7 @@ def test_prefetched_stream_equals_direct_stream() -> None:
     try:
         for step in range(4):
             a, b = direct.next_step(), ahead.next_step()
-            assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(a, b, strict=True))
+            assert all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, b, strict=True))
             # the state is that of the steps handed out, not of the ones prepared ahead
             assert ahead.state_dict() == direct.state_dict() == {"windows": 8 * (step + 1)}
     finally:
@@ -60,7 +60,8 @@ def test_building_micro_batches_starts_no_compute_threads(kind: str, tmp_path: P
         """
         import os, threading, torch
         from lmforge.config import FakeDataConfig, TokensDataConfig
-        from lmforge.data import build_step_data, load_tokenizer
+        from lmforge.data.stream import build_step_data
+        from lmforge.data.tokenizer import load_tokenizer
         torch.set_num_threads(2)
         a = torch.randn(256, 256)
         (a @ a).sum()

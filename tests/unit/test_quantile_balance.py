@@ -13,7 +13,7 @@ from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from lmforge.model.llama import CausalLM
 from lmforge.model.moe import Router
-from lmforge.train.balance import MoEBalancer, histogram_quantiles, next_range, quantile_bias
+from lmforge.train.callbacks.balancing import MoEBalancer, histogram_quantiles, next_range, quantile_bias
 from tests.unit.test_moe import tiny_glm
 
 CPU = torch.device("cpu")
@@ -174,7 +174,7 @@ def test_a_compiled_block_records_the_eager_histogram_and_a_new_range_does_not_r
     gate = model.moe_layers()[1].gate
     x = torch.randn(24, 64, generator=torch.Generator().manual_seed(8))
     cos, sin = rotary_cos_sin(torch.arange(24), model.arch.rotary_dim, model.arch.rope_theta, torch.float32)
-    mask = DocumentMask.from_seq_lens(torch.tensor([10, 14]), CPU)
+    mask = DocumentMask.from_doc_lens(torch.tensor([10, 14]), CPU)
     gate.start_recording(64, -0.3, 0.3)
     with torch.no_grad():
         block(x, cos, sin, mask)

@@ -19,32 +19,27 @@ import pytest
 import torch
 
 import lmforge
+from lmforge.checkpoint.checkpointer import Checkpointer
+from lmforge.checkpoint.layout import CheckpointError
+from lmforge.checkpoint.load import load_checkpoint, load_model_state
+from lmforge.checkpoint.rng_state import read_rng_state, rng_state, set_rng_state
+from lmforge.checkpoint.safe_load import SafeLoadPlanner
 from lmforge.config import ConfigError, load_train_config
 from lmforge.config.ckpt import CkptConfig
+from lmforge.config.hf_config import HFModelError
 from lmforge.config.optim import AdamWConfig
+from lmforge.hf.folder import load_pretrained, write_model_files
+from lmforge.hf.weights import load_hf_weights
 from lmforge.model import build_model
-from lmforge.model.hf_config import HFModelError
-from lmforge.model.hf_weights import load_hf_weights
 from lmforge.optim import build_optimizer
-from lmforge.parallel import DistContext, init_distributed
-from lmforge.runtime.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    SafeLoadPlanner,
-    load_checkpoint,
-    load_model_state,
-    read_rng_state,
-    rng_state,
-    set_rng_state,
-)
-from lmforge.runtime.hf_folder import load_pretrained, write_model_files
+from lmforge.parallel.process_group import DistContext, init_distributed
 from tests.conftest import tiny_llama
 from tests.unit.test_config import BASE
 
 SRC = Path(lmforge.__file__).parent
 CPU = torch.device("cpu")
 
-TORCH_LOAD_ALLOWED = {"runtime/rng_state.py", "runtime/safe_load.py"}
+TORCH_LOAD_ALLOWED = {"checkpoint/rng_state.py", "checkpoint/safe_load.py"}
 """Files that may call `torch.load` at all (always with weights_only=True): a checkpoint's RNG states and the
 non-tensor entries of its DCP files."""
 
@@ -72,7 +67,7 @@ def _keyword_is_true(call: ast.Call, name: str) -> bool:
 
 def test_source_tree_is_found() -> None:
     files = [name for name, _, _ in _sources()]
-    assert "runtime/checkpoint.py" in files and "model/hf_weights.py" in files and len(files) > 50
+    assert "checkpoint/checkpointer.py" in files and "hf/weights.py" in files and len(files) > 50
 
 
 def test_torch_load_only_with_weights_only_and_only_where_allowed() -> None:
@@ -114,12 +109,12 @@ def test_no_pickle_loads_and_no_remote_code() -> None:
 
 def test_model_weights_are_read_through_safetensors_only() -> None:
     for name, text, tree in _sources():
-        if name not in ("model/hf_weights.py", "runtime/hf_folder.py"):
+        if name not in ("hf/weights.py", "hf/folder.py"):
             continue
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert not imported & PICKLE_MODULES and "torch.load" not in text, name
-    assert "safe_open(" in (SRC / "model/hf_weights.py").read_text(encoding="utf-8")
+    assert "safe_open(" in (SRC / "hf/weights.py").read_text(encoding="utf-8")
 
 
 class _RunsCode:

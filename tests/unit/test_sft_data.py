@@ -173,8 +173,8 @@ def test_packed_loss_equals_per_sample_loss(tok: TokenizerInfo, tmp_path: Path) 
     assert len(bins[0]) >= 3, "the micro-batch packs several samples"
     mb = data.samples.micro_batch(bins[0], 192)
     with torch.no_grad():
-        logits = model(mb["input_ids"], mb["position_ids"], mb["seq_lens"])[0]
-        packed = torch.nn.functional.cross_entropy(logits, mb["target_ids"][0], reduction="none")
+        logits = model(mb.input_ids, mb.position_ids, mb.doc_lens)[0]
+        packed = torch.nn.functional.cross_entropy(logits, mb.target_ids[0], reduction="none")
         start = 0
         for s in bins[0]:
             ids, loss = data.samples.sample(s)
@@ -185,14 +185,14 @@ def test_packed_loss_equals_per_sample_loss(tok: TokenizerInfo, tmp_path: Path) 
                 alone, torch.from_numpy(ids[1:].astype(np.int64)), reduction="none"
             )
             torch.testing.assert_close(packed[start : start + n], expect, rtol=1e-5, atol=1e-5)
-            assert mb["loss_mask"][0, start : start + n].tolist() == loss[1:].tolist()
-            assert mb["position_ids"][0, start : start + n].tolist() == list(range(n))
+            assert mb.loss_mask[0, start : start + n].tolist() == loss[1:].tolist()
+            assert mb.position_ids[0, start : start + n].tolist() == list(range(n))
             start += n
-    assert not mb["loss_mask"][0, start:].any(), "padding is never scored"
+    assert not mb.loss_mask[0, start:].any(), "padding is never scored"
 
 
 def stream(data: SFTData, steps: int) -> list[list[list[int]]]:
-    return [[mb["input_ids"][0].tolist() for mb in data.next_step()] for _ in range(steps)]
+    return [[mb.input_ids[0].tolist() for mb in data.next_step()] for _ in range(steps)]
 
 
 def test_stream_resumes_mid_epoch_and_does_not_depend_on_world_size(tok: TokenizerInfo, tmp_path: Path) -> None:

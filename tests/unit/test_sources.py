@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from lmforge.config import TokensDataConfig
-from lmforge.data import TokenizerInfo, load_tokenizer
 from lmforge.data.mixture import MixError
 from lmforge.data.shards import ShardPool, list_shards, open_shard
 from lmforge.data.sources import SourceMap
+from lmforge.data.tokenizer import TokenizerInfo, load_tokenizer
 from lmforge.data.tokens import TokenData
 from lmforge.prep.mix import SourceSpec, mix_sources
-from lmforge.train.sources import SourceShares
+from lmforge.train.callbacks.source_shares import SourceShares
 from tests.shards import random_docs, word_tokenizer, write_shard
 
 SEQ = 16
@@ -108,15 +108,15 @@ def test_micro_batches_carry_the_counts_of_their_windows(mixed: Path, tok: Token
                 start = offset + int(order[index]) * SEQ
                 expected += np.bincount(per_token[start + 1 : start + 1 + SEQ], minlength=2)
             windows += 2
-            np.testing.assert_array_equal(mb["source_tokens"].numpy(), expected)
-            assert int(mb["source_tokens"].sum()) == mb["target_ids"].numel()
+            np.testing.assert_array_equal(mb.source_tokens.numpy(), expected)
+            assert int(mb.source_tokens.sum()) == mb.target_ids.numel()
     assert data.position(windows)[0] >= 1
 
 
 def test_the_callback_keeps_running_totals_and_resumes_them() -> None:
     trainer = SimpleNamespace(ctx=SimpleNamespace(device=torch.device("cpu")))
     shares = SourceShares(["web", "code"])
-    batches = [{"source_tokens": torch.tensor([3, 1])}, {"source_tokens": torch.tensor([2, 2])}]
+    batches = [SimpleNamespace(source_tokens=torch.tensor([3, 1])), SimpleNamespace(source_tokens=torch.tensor([2, 2]))]
     shares.on_step_start(trainer, batches)  # type: ignore[arg-type]
     sent = shares.step_sums(trainer)  # type: ignore[arg-type]
     assert sent["source_tokens"].tolist() == [5.0, 3.0]

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from lmforge.config import TokensDataConfig
-from lmforge.data import ShardError, TokenizerInfo, build_step_data, load_tokenizer
-from lmforge.data.shards import ShardPool
+from lmforge.data.batch import MicroBatch
+from lmforge.data.shards import ShardError, ShardPool
+from lmforge.data.stream import build_step_data
+from lmforge.data.tokenizer import TokenizerInfo, load_tokenizer
 from lmforge.data.tokens import TokenData
 from tests.shards import random_docs, word_tokenizer, write_shard
 
@@ -88,7 +90,7 @@ def test_resume_mid_epoch_continues_the_stream(pool_dirs: list[Path], tok: Token
     got = [resumed.next_step() for _ in range(40)]
     for a, b in zip(expected, got, strict=True):
         for x, y in zip(a, b, strict=True):
-            assert all(torch.equal(x[k], y[k]) for k in x)
+            assert all(torch.equal(getattr(x, k), getattr(y, k)) for k in (*MicroBatch.PER_TOKEN, "doc_lens"))
     assert resumed.state_dict() == straight.state_dict() and resumed.state_dict()["epoch"] >= 1
 
 
@@ -107,8 +109,8 @@ def test_world_sizes_consume_the_same_global_windows(pool_dirs: list[Path], tok:
     one = build_step_data(c, 0, 1, tok)
     two = [build_step_data(c, r, 2, tok) for r in range(2)]
     for _ in range(12):
-        whole = torch.cat([mb["input_ids"] for mb in one.next_step()], dim=1)
-        dealt = torch.cat([mb["input_ids"] for r in range(2) for mb in two[r].next_step()], dim=1)
+        whole = torch.cat([mb.input_ids for mb in one.next_step()], dim=1)
+        dealt = torch.cat([mb.input_ids for r in range(2) for mb in two[r].next_step()], dim=1)
         assert torch.equal(whole, dealt)
 
 

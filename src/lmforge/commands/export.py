@@ -35,9 +35,9 @@ def main(argv: list[str]) -> int:
         return fail("export", f"--output {args.output}: exists and is not a folder")
     from rich.console import Console
 
-    from lmforge.model.hf_config import HFModelError
-    from lmforge.runtime.checkpoint import CheckpointError
-    from lmforge.runtime.hf_folder import export_model
+    from lmforge.checkpoint.layout import CheckpointError
+    from lmforge.config.hf_config import HFModelError
+    from lmforge.hf.folder import export_model
 
     try:
         ckpt = export_model(args.source, args.output, args.dtype, int(shard_bytes))

@@ -75,11 +75,11 @@ def main(argv: list[str]) -> int:
     if problem is not None:
         return fail("sample", problem)
 
+    from lmforge.checkpoint.layout import CheckpointError
+    from lmforge.config.hf_config import HFModelError
     from lmforge.data.tokenizer import TokenizerError
+    from lmforge.hf.folder import load_pretrained
     from lmforge.model.generate import TextStream, generate
-    from lmforge.model.hf_config import HFModelError
-    from lmforge.runtime.checkpoint import CheckpointError
-    from lmforge.runtime.hf_folder import load_pretrained
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     try:

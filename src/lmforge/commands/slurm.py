@@ -50,9 +50,9 @@ def main(argv: list[str], command: str = "slurm") -> int:
     no_submit = _flag(argv, "--no-submit")
     overwrite = _flag(argv, "--overwrite")
 
+    from lmforge.checkpoint.layout import CheckpointError
+    from lmforge.checkpoint.run_dir import prepare_output_dir
     from lmforge.config import ConfigError, load_train_config
-    from lmforge.runtime.checkpoint import CheckpointError
-    from lmforge.runtime.run_dir import prepare_output_dir
 
     try:
         config, raw = load_train_config(argv, world_size=None)

@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         return _help(argv)
     from lmforge.config import ConfigError, dump_toml, load_train_config
-    from lmforge.parallel import env_world_size
+    from lmforge.launch.torchrun import env_world_size
 
     overwrite = "--overwrite" in argv
     argv = [a for a in argv if a != "--overwrite"]
@@ -58,13 +58,13 @@ def main(argv: list[str]) -> int:
         print(dump_toml(config), end="")
         return 0
 
-    from lmforge.data import DataError
+    from lmforge.checkpoint.layout import CheckpointError
+    from lmforge.checkpoint.run_dir import prepare_run
+    from lmforge.config.hf_config import HFModelError
+    from lmforge.data.stream import DataError
     from lmforge.eval.sets import EvalSetError
-    from lmforge.model.hf_config import HFModelError
-    from lmforge.parallel import init_distributed, shutdown_distributed
     from lmforge.parallel.heartbeat import Heartbeat, describe_lost
-    from lmforge.runtime.checkpoint import CheckpointError
-    from lmforge.runtime.run_dir import prepare_run
+    from lmforge.parallel.process_group import init_distributed, shutdown_distributed
     from lmforge.train.trainer import Trainer
 
     timeout = config.parallel.timeout_s

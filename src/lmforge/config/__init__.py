@@ -1,21 +1,23 @@
-"""Config sections (pydantic) and the loader that composes TOML files and flags into a `TrainConfig`."""
+"""Config sections (pydantic), the `[model.arch]` schemas and their Hugging Face `config.json` mapping, and the
+loader that composes TOML files and flags into a `TrainConfig`. Nothing here imports torch or another part of
+lmforge: every command can check a config before it loads anything heavy."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from lmforge.config.checks import check_config
+from lmforge.config.arch import AnyArch, ArchConfig
 from lmforge.config.ckpt import CkptConfig, ResumeConfig
 from lmforge.config.data import DataConfig, FakeDataConfig, SFTDataConfig, TokensDataConfig
 from lmforge.config.loader import ConfigError, RawConfig, compose, dump_toml, validate
 from lmforge.config.model import ACConfig, InitConfig, ModelConfig
 from lmforge.config.optim import AdamWConfig, MuonConfig, OptimConfig, ScheduleConfig
+from lmforge.config.resolve import load_train_config, resolve_pretrained
 from lmforge.config.train import LogConfig, TokenizerConfig, TrainConfig
-from lmforge.model.config import ArchConfig
 
 __all__ = [
     "ACConfig",
     "AdamWConfig",
+    "AnyArch",
+    "ArchConfig",
     "CkptConfig",
     "ConfigError",
     "DataConfig",
@@ -32,54 +34,9 @@ __all__ = [
     "TokenizerConfig",
     "TokensDataConfig",
     "TrainConfig",
+    "compose",
     "dump_toml",
     "load_train_config",
+    "resolve_pretrained",
+    "validate",
 ]
-
-
-def load_train_config(argv: list[str], world_size: int | None = 1) -> tuple[TrainConfig, RawConfig]:
-    """Compose, validate and cross-check a training config from `@ file` arguments and flags, for `world_size`
-    processes (None: the world size of its [deployment], nodes x processes per node)."""
-    raw = compose(argv)
-    config = validate(TrainConfig, raw)
-    assert isinstance(config, TrainConfig)
-    resolve_pretrained(config, raw)
-    if world_size is None:
-        world_size = config.deployment.num_nodes * config.deployment.procs_per_node
-    check_config(config, world_size, raw)
-    return config, raw
-
-
-def _effective(arch: ArchConfig) -> dict[str, object]:
-    # Unset head_dim / num_key_value_heads mean their defaults: compare what the model is, not how it was written.
-    return {**arch.model_dump(), "head_dim": arch.dim_per_head, "num_key_value_heads": arch.kv_heads}
-
-
-def resolve_pretrained(config: TrainConfig, raw: RawConfig | None = None) -> None:
-    """Fill `model.arch` (and, by default, `tokenizer.name`) from the HF folder that `model.name` names."""
-    from lmforge.model.hf_config import HFModelError, read_hf_config
-
-    model = config.model
-    src = (raw.source_of("model.name") if raw is not None else None) or "the defaults"
-    if model.name is None:
-        if model.arch is None:
-            raise ConfigError(
-                "invalid config:\n  model.arch: required section [model.arch] is missing (or set model.name to a "
-                "local Hugging Face model folder)"
-            )
-        return
-    try:
-        info = read_hf_config(Path(model.name))
-    except HFModelError as e:
-        raise ConfigError(f"invalid config:\n  model.name (from {src}): {e}") from None
-    if model.arch is not None and _effective(model.arch) != _effective(info.arch):
-        mine, theirs = _effective(model.arch), _effective(info.arch)
-        diff = ", ".join(f"{k}: {mine.get(k)!r} here vs {theirs.get(k)!r}" for k in sorted(mine | theirs)
-                         if mine.get(k) != theirs.get(k))  # fmt: skip
-        raise ConfigError(
-            f"invalid config:\n  model.arch (from {raw.source_of('model.arch') if raw else None}): differs from "
-            f"{model.name}/config.json ({diff}); leave [model.arch] out when model.name is set"
-        )
-    model.arch = info.arch
-    if config.tokenizer.name is None and (Path(model.name) / "tokenizer.json").is_file():
-        config.tokenizer.name = model.name

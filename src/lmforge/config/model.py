@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from lmforge.config.arch import ArchConfig
 from lmforge.config.base import Section
-from lmforge.model.config import ArchConfig
 
 
 class InitConfig(Section):

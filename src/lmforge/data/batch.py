@@ -1,9 +1,7 @@
 """The micro-batch contract, and how a step's windows are dealt to ranks and micro-batches.
 
-Every data type yields micro-batches of the same form: a dict of 1-row tensors of length T (docs/data.md):
-`input_ids`, `target_ids`, `position_ids` (int64 [1, T]), `loss_mask` (bool [1, T]) and `seq_lens`
-(int32 [S], adding up to T). Attention and positions restart at every segment. A pool with sources (a mixture made
-by `lmforge mix`) adds `source_tokens` (int64 [sources]): the micro-batch's target tokens per source.
+Every data type yields micro-batches of the same form, a `MicroBatch` of 1-row tensors of length T (docs/data.md).
+Attention and positions restart at every document (segment) of the row.
 
 Micro-batches are built in the data worker thread, so everything here is numpy, wrapped with `torch.from_numpy`
 at the end: a torch compute op in that thread would start a second OpenMP team, after which the trainer's compute
@@ -14,16 +12,57 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 from torch import Tensor
 
-MicroBatch = dict[str, Tensor]
-"""One forward pass worth of packed tokens (see the module docstring for its keys)."""
 
-MICRO_BATCH_KEYS = ("input_ids", "target_ids", "position_ids", "loss_mask", "seq_lens")
+@dataclass(frozen=True)
+class MicroBatch:
+    """One forward pass worth of packed tokens: a row of T tokens holding one or more documents."""
+
+    input_ids: Tensor
+    """int64 [1, T]: the tokens."""
+    target_ids: Tensor
+    """int64 [1, T]: the next tokens (already shifted)."""
+    position_ids: Tensor
+    """int64 [1, T]: positions, restarting at 0 at every document."""
+    loss_mask: Tensor
+    """bool [1, T]: which targets count (all of them for pretraining)."""
+    doc_lens: Tensor
+    """int32 [S]: the lengths of the row's documents (segments) in order, adding up to T; attention never crosses
+    from one into another. Not `data.seq_len`, the window length: with document masking a window holds several
+    documents, and a document cut by a window boundary continues as the next window's first. Kept on the host: the
+    model reads the values to build its attention mask, which costs no device read there."""
+    source_tokens: Tensor | None = None
+    """int64 [sources]: the row's target tokens per source of a mixture's pool (`lmforge mix`); None elsewhere."""
+
+    PER_TOKEN = ("input_ids", "target_ids", "position_ids", "loss_mask")
+    """The fields with one entry per token of the row."""
+
+    @property
+    def tokens(self) -> int:
+        """T, the row's length."""
+        return int(self.input_ids.shape[1])
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
+        """This micro-batch with its tensors on `device`, except `doc_lens`, which stays on the host."""
+        moved = {f.name: _moved(getattr(self, f.name), device, non_blocking) for f in fields(self)
+                 if f.name != "doc_lens"}  # fmt: skip
+        return MicroBatch(**moved, doc_lens=self.doc_lens)
+
+    def pin_memory(self) -> MicroBatch:
+        """This micro-batch in page-locked host memory (faster, asynchronous copies to a GPU)."""
+        return MicroBatch(**{f.name: _moved(getattr(self, f.name), None, False) for f in fields(self)})
+
+
+def _moved(t: Tensor | None, device: torch.device | str | None, non_blocking: bool) -> Tensor | None:
+    """`t` on `device` (pinned when `device` is None); None stays None."""
+    if t is None:
+        return None
+    return t.pin_memory() if device is None else t.to(device, non_blocking=non_blocking)
 
 
 @dataclass(frozen=True)
@@ -55,7 +94,7 @@ def pack_windows(windows: Sequence[Window]) -> MicroBatch:
     """Concatenate windows into one micro-batch; each window's segments stay separate segments."""
     if not windows:
         raise ValueError("a micro-batch needs at least one window")
-    inputs, targets, masks, seg_lens = [], [], [], []
+    inputs, targets, masks, doc_lens = [], [], [], []
     sources = [w.source_tokens for w in windows if w.source_tokens is not None]
     for w in windows:
         n = len(w.tokens) - 1
@@ -64,42 +103,40 @@ def pack_windows(windows: Sequence[Window]) -> MicroBatch:
         inputs.append(w.tokens[:-1])
         targets.append(w.tokens[1:])
         masks.append(np.ones(n, dtype=bool) if w.loss_mask is None else w.loss_mask)
-        seg_lens.extend(int(s) for s in w.seg_lens)
-    lens = np.asarray(seg_lens, dtype=np.int32)
-    batch = {
-        "input_ids": _row(np.concatenate(inputs).astype(np.int64)),
-        "target_ids": _row(np.concatenate(targets).astype(np.int64)),
-        "position_ids": _row(positions_from_seq_lens(lens)),
-        "loss_mask": _row(np.concatenate(masks).astype(bool)),
-        "seq_lens": torch.from_numpy(lens),
-    }
-    if sources:
-        batch["source_tokens"] = torch.from_numpy(np.sum(sources, axis=0, dtype=np.int64))
-    return batch
+        doc_lens.extend(int(s) for s in w.seg_lens)
+    lens = np.asarray(doc_lens, dtype=np.int32)
+    return MicroBatch(
+        input_ids=_row(np.concatenate(inputs).astype(np.int64)),
+        target_ids=_row(np.concatenate(targets).astype(np.int64)),
+        position_ids=_row(positions_from_doc_lens(lens)),
+        loss_mask=_row(np.concatenate(masks).astype(bool)),
+        doc_lens=torch.from_numpy(lens),
+        source_tokens=torch.from_numpy(np.sum(sources, axis=0, dtype=np.int64)) if sources else None,
+    )
 
 
 def _row(values: np.ndarray) -> Tensor:
     return torch.from_numpy(values).unsqueeze(0)
 
 
-def positions_from_seq_lens(seq_lens: np.ndarray) -> np.ndarray:
-    """int64 positions that restart at 0 at every segment."""
-    lens = np.asarray(seq_lens, dtype=np.int64)
+def positions_from_doc_lens(doc_lens: np.ndarray) -> np.ndarray:
+    """int64 positions that restart at 0 at every document."""
+    lens = np.asarray(doc_lens, dtype=np.int64)
     starts = np.repeat(np.cumsum(lens) - lens, lens)
     return np.arange(int(lens.sum()), dtype=np.int64) - starts
 
 
 def null_micro_batch(like: MicroBatch) -> MicroBatch:
     """A micro-batch of the same shape whose loss mask is empty: it adds exactly zero to the gradient."""
-    t = like["input_ids"].shape[1]
+    t = like.tokens
     zeros = torch.zeros(1, t, dtype=torch.int64)
-    return {
-        "input_ids": zeros,
-        "target_ids": zeros.clone(),
-        "position_ids": torch.arange(t, dtype=torch.int64).unsqueeze(0),
-        "loss_mask": torch.zeros(1, t, dtype=torch.bool),
-        "seq_lens": torch.tensor([t], dtype=torch.int32),
-    }
+    return MicroBatch(
+        input_ids=zeros,
+        target_ids=zeros.clone(),
+        position_ids=torch.arange(t, dtype=torch.int64).unsqueeze(0),
+        loss_mask=torch.zeros(1, t, dtype=torch.bool),
+        doc_lens=torch.tensor([t], dtype=torch.int32),
+    )
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ class Prefetcher:
             while not self._stop.is_set():
                 batches = self.source.next_step()
                 if self.pin_memory:
-                    batches = [{k: v.pin_memory() for k, v in mb.items()} for mb in batches]
+                    batches = [mb.pin_memory() for mb in batches]
                 item = (batches, self.source.state_dict(), self.source.epoch)
                 while not self._stop.is_set():
                     try:

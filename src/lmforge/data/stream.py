@@ -1,15 +1,39 @@
-"""Opening a rank's data stream for a run: check that the data lasts for the planned steps, resume its position,
-prepare steps ahead in the background, and summarize what the data holds for the run's first log record."""
+"""A rank's data stream for a run: the configured data type for this rank (`build_step_data`), opened to check that
+it lasts for the planned steps, resume its position and prepare steps ahead in the background (`open_stream`), and
+summarized for the run's first log record."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmforge.config.data import DataConfig
 from lmforge.data.base import StepData
+from lmforge.data.chat import ChatError
+from lmforge.data.fake import FakeData
 from lmforge.data.prefetch import Prefetcher
-from lmforge.data.sft import SFTData, describe
+from lmforge.data.sft import SFTData, SFTDataError, describe
+from lmforge.data.shards import ShardError
+from lmforge.data.tokenizer import TokenizerError, TokenizerInfo
 from lmforge.data.tokens import TokenData
+
+DataError = (ShardError, TokenizerError, SFTDataError, ChatError)
+"""Errors in the data or tokenizer a run was given: reported as a message, not a traceback."""
+
+
+def build_step_data(cfg: DataConfig, rank: int, world_size: int, tokenizer: TokenizerInfo | None = None) -> StepData:
+    """The data stream of `cfg` for one rank."""
+    if cfg.type == "fake":
+        return FakeData(cfg, rank, world_size)
+    if cfg.type == "tokens":
+        if tokenizer is None:
+            raise TokenizerError("data.type = 'tokens' needs tokenizer.name")
+        return TokenData(cfg, rank, world_size, tokenizer)
+    if cfg.type == "sft":
+        if tokenizer is None:
+            raise TokenizerError("data.type = 'sft' needs tokenizer.name")
+        return SFTData(cfg, rank, world_size, tokenizer)
+    raise ValueError(f"unknown data type {cfg.type!r}")
 
 
 @dataclass

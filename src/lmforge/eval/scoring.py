@@ -98,8 +98,8 @@ def request_loglik_sums(
             # A rank without a row of its own this turn scores row 0 and discards it: the forwards must match.
             own = i < len(rows)
             row = rows[i if own else 0]
-            mb = {k: v if k == "seq_lens" else v.to(device) for k, v in row.batch.items()}
-            ce = model(mb["input_ids"], mb["position_ids"], mb["seq_lens"], targets=mb["target_ids"], per_token=True)
+            mb = row.batch.to(device)
+            ce = model(mb.input_ids, mb.position_ids, mb.doc_lens, targets=mb.target_ids, per_token=True)
             if not own:
                 continue
             slots = torch.from_numpy(row.request_ids).to(device)

@@ -44,9 +44,8 @@ from lmforge.data.tokens import check_shards, check_token_ids
 from lmforge.eval.harness import count_words, harness_requests, rolling_metrics, rolling_requests, text_logliks
 from lmforge.eval.scoring import ScoringRow, pack_requests, score_requests
 from lmforge.eval.sets import EvalSet, Request, build_requests, fit_requests, ppl_tokens, read_eval_dir, set_metrics
-from lmforge.model.context_parallel import ContextShard
 from lmforge.model.loss import IGNORE_INDEX
-from lmforge.parallel.context import shard_micro_batch
+from lmforge.parallel.context import ContextShard, shard_micro_batch
 
 SCORING_CHUNK = 1024
 """Tokens per LM-head chunk while scoring: fp32 logits without holding them all."""
@@ -108,7 +107,7 @@ def chunk_rows(tokens: np.ndarray, doc_starts: np.ndarray, seq_len: int, row_tok
 
 def scored_bytes(batch: MicroBatch, nbytes: np.ndarray) -> int:
     """UTF-8 bytes the scored targets of a row stand for (`nbytes` from `token_bytes`)."""
-    return int(nbytes[batch["target_ids"][batch["loss_mask"]].numpy()].sum())
+    return int(nbytes[batch.target_ids[batch.loss_mask].numpy()].sum())
 
 
 def split_by_source(name: str, tokens: np.ndarray, doc_starts: np.ndarray, doc_sources: np.ndarray,
@@ -303,12 +302,12 @@ class Validator:
                 i = turn * self.world_size + self.rank
                 own = i < len(rows)
                 row = rows[i if own else 0]
-                mb = {k: v if k == "seq_lens" else v.to(device) for k, v in row.batch.items()}
-                targets = mb["target_ids"].masked_fill(~mb["loss_mask"], IGNORE_INDEX)
-                value = model(mb["input_ids"], mb["position_ids"], mb["seq_lens"], targets=targets)
+                mb = row.batch.to(device)
+                targets = mb.target_ids.masked_fill(~mb.loss_mask, IGNORE_INDEX)
+                value = model(mb.input_ids, mb.position_ids, mb.doc_lens, targets=targets)
                 if own:
                     loss += value.double()
-                    tokens += int(row.batch["loss_mask"].sum())  # the host copy: no device read
+                    tokens += int(row.batch.loss_mask.sum())  # the host copy: no device read
                     scored_bytes += row.scored_bytes
             counts = torch.tensor([float(tokens), float(scored_bytes)], device=device, dtype=torch.float64)
             sums.append(torch.cat([loss.reshape(1), counts]))

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from lmforge.runtime.checkpoint import list_checkpoints
+from lmforge.checkpoint.layout import list_checkpoints
 
 if TYPE_CHECKING:
     from lmforge.config.train import TrainConfig
@@ -55,13 +55,15 @@ def run_worker(run: Path, config: TrainConfig, poll_seconds: float = 10.0, lates
     or with `latest_only` the newest (deleting the older ones); stop after the run's last step or `limit` scores."""
     import torch.distributed as dist
 
-    from lmforge.data import load_tokenizer
+    from lmforge.checkpoint.layout import SNAPSHOTS, step_name
+    from lmforge.checkpoint.load import load_model_state
+    from lmforge.data.tokenizer import load_tokenizer
     from lmforge.eval.validation import Validator
+    from lmforge.launch.torchrun import env_world_size
     from lmforge.monitor import JsonlMonitor, Monitors
     from lmforge.monitor.wandb import WandbMonitor
-    from lmforge.parallel import env_world_size, init_distributed, shutdown_distributed
-    from lmforge.runtime.checkpoint import SNAPSHOTS, load_model_state, step_name
-    from lmforge.runtime.model_setup import build_run_model
+    from lmforge.parallel.model_setup import build_run_model
+    from lmforge.parallel.process_group import init_distributed, shutdown_distributed
 
     # The run's context and expert parallelism when this worker's world size allows them; the numbers are the same
     # without.

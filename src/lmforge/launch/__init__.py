@@ -1,1 +1,2 @@
-"""Launching runs on clusters: the Slurm job script of a training run, its submission, and job queries."""
+"""Launching runs: the Slurm job script of a training run, its submission and job queries (`sbatch`, `submit`), and
+what torchrun tells each process (`torchrun`)."""

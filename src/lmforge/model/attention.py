@@ -2,7 +2,7 @@
 
 A packed row holds several segments (documents or samples). Attention must stay inside each segment and be
 causal within it. Every backend here receives the same `DocumentMask`, built once per forward from the
-micro-batch's `seq_lens`, and the same `[T, heads, head_dim]` tensors:
+micro-batch's `doc_lens`, and the same `[T, heads, head_dim]` tensors:
 
 - `flash`: flash-attn's varlen kernel (CUDA, when the package is installed);
 - `varlen`: PyTorch's `torch.nn.attention.varlen.varlen_attn` (CUDA);
@@ -23,16 +23,12 @@ import importlib.util
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from lmforge.model.cpu_attention import cpu_segment_attention, equal_length_runs
-
-if TYPE_CHECKING:
-    from lmforge.model.context_parallel import ContextShard
 
 BACKENDS = ("flash", "varlen", "flex", "sdpa", "sdpa_loop")
 """Names accepted by `model.attn`, besides `auto`."""
@@ -49,7 +45,7 @@ stops being faster at about 10 calls for T = 256, 48 for T = 512, 190 for T = 10
 class DocumentMask:
     """Segment layout of one packed row, shared by every layer of a forward pass."""
 
-    seq_lens: list[int]
+    doc_lens: list[int]
     """Length of each segment, in order; they add up to the row length."""
     cu_seqlens: Tensor
     """int32 [S + 1] cumulative segment offsets on the compute device."""
@@ -59,25 +55,23 @@ class DocumentMask:
     """int32 [T]: the segment index of each position, on the compute device."""
     cache: dict[str, object] = field(default_factory=dict)
     """Backend-specific masks, built on first use and reused by the other layers."""
-    shard: ContextShard | None = None
-    """Under context parallelism: this rank's part of the row, which the segments above describe whole."""
 
     @classmethod
-    def from_seq_lens(cls, seq_lens: Tensor, device: torch.device) -> DocumentMask:
-        """Build the mask from a micro-batch's `seq_lens`.
+    def from_doc_lens(cls, doc_lens: Tensor, device: torch.device) -> DocumentMask:
+        """Build the mask from a micro-batch's `doc_lens`.
 
-        `seq_lens` should live on the CPU (as the data pipeline produces it): its values are needed on the
+        `doc_lens` should live on the CPU (as the data pipeline produces it): its values are needed on the
         host for `max_seqlen`, and reading them from the CPU costs no device synchronization.
         """
-        lens = [int(n) for n in seq_lens.tolist()]
+        lens = [int(n) for n in doc_lens.tolist()]
         if not lens or min(lens) <= 0:
-            raise ValueError(f"seq_lens must be positive segment lengths, got {lens}")
+            raise ValueError(f"doc_lens must be positive segment lengths, got {lens}")
         lens_t = torch.tensor(lens, dtype=torch.int32)
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
         torch.cumsum(lens_t, 0, out=cu[1:])
         doc_ids = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), lens_t)
         return cls(
-            seq_lens=lens,
+            doc_lens=lens,
             cu_seqlens=cu.to(device, non_blocking=True),
             max_seqlen=max(lens),
             doc_ids=doc_ids.to(device, non_blocking=True),
@@ -128,10 +122,10 @@ def sdpa_loop_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> 
     windows, the layout without document masking, is a single call). On the CPU, the flash kernel's calls with a
     backward of their own (`lmforge.model.cpu_attention`)."""
     if q.device.type == "cpu":
-        return cpu_segment_attention(q, k, v, mask.seq_lens)
+        return cpu_segment_attention(q, k, v, mask.doc_lens)
     gqa = q.shape[1] != k.shape[1]
     outs, start = [], 0
-    for length, count in equal_length_runs(mask.seq_lens):
+    for length, count in equal_length_runs(mask.doc_lens):
         part = slice(start, start + length * count)
         # [count * length, heads, dim] -> [count, heads, length, dim]: one batch entry per segment.
         qs, ks, vs = (x[part].unflatten(0, (count, length)).transpose(1, 2) for x in (q, k, v))
@@ -142,7 +136,8 @@ def sdpa_loop_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> 
 
 
 @functools.cache
-def _compiled_flex() -> Callable[..., Tensor]:
+def compiled_flex() -> Callable[..., Tensor]:
+    """flex_attention compiled once per process (CUDA), shared by every layer and by context parallelism."""
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False)
@@ -168,7 +163,7 @@ def flex_attention_fn(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Te
     """Flex attention with a document block mask; compiled on CUDA, eager (forward only) on CPU."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    fn = _compiled_flex() if q.is_cuda else flex_attention
+    fn = compiled_flex() if q.is_cuda else flex_attention
     out = fn(
         _to_bhtd(q), _to_bhtd(k), _to_bhtd(v), block_mask=flex_block_mask(mask), enable_gqa=q.shape[1] != k.shape[1]
     )
@@ -224,15 +219,15 @@ def flash_call(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_
     return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)  # type: ignore[no-any-return]
 
 
-def choose_backend(seq_lens: list[int], device: torch.device) -> str:
+def choose_backend(doc_lens: list[int], device: torch.device) -> str:
     """The backend `auto` runs for a row with these segment lengths on a device without a varlen kernel (with
     one, `resolve_backend` picks it for every row)."""
     if device.type == "cuda":
         # Segments of one length (one document, or whole windows without document masking) are one batched call
         # of the fused causal SDPA kernel; other layouts are flex attention's block-sparse kernel.
-        return "sdpa_loop" if len(set(seq_lens)) == 1 else "flex"
-    total = sum(seq_lens)
-    return "sdpa_loop" if len(equal_length_runs(seq_lens)) * CPU_MASK_AREA_PER_CALL <= total * total else "sdpa"
+        return "sdpa_loop" if len(set(doc_lens)) == 1 else "flex"
+    total = sum(doc_lens)
+    return "sdpa_loop" if len(equal_length_runs(doc_lens)) * CPU_MASK_AREA_PER_CALL <= total * total else "sdpa"
 
 
 def describe_backend(name: str, device: torch.device) -> str:
@@ -262,7 +257,7 @@ def auto_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tenso
     """The backend `choose_backend` picks for this row (decided once per forward, shared by every layer)."""
     name = mask.cache.get("auto")
     if name is None:
-        name = choose_backend(mask.seq_lens, q.device)
+        name = choose_backend(mask.doc_lens, q.device)
         mask.cache["auto"] = name
     return _FUNCTIONS[name](q, k, v, mask)  # type: ignore[index]
 
@@ -321,7 +316,8 @@ _MASK_BUILDERS: dict[AttentionFn, Callable[[DocumentMask], object]] = {
 def prepare_mask(attention: AttentionFn, mask: DocumentMask) -> None:
     """Build the mask `attention` reads before the decoder blocks run, once per forward: a block's forward then
     only reads the cache. Writing it from inside a checkpointed block that torch.compile traces is a side effect
-    that the checkpoint's higher-order op refuses. Context-parallel masks are built by their own first use."""
+    that the checkpoint's higher-order op refuses. Attention functions passed in from outside (context
+    parallelism) build their masks at their first use."""
     builder = _MASK_BUILDERS.get(attention)
-    if builder is not None and mask.shard is None:
+    if builder is not None:
         builder(mask)

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lmforge.model.config import AnyArch
+from lmforge.config.arch import AnyArch
 
 
 @dataclass(frozen=True)

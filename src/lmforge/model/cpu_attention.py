@@ -81,10 +81,10 @@ def pieces(length: int, rows: int = CPU_SPLIT_ROWS, split: tuple[int, int] = CPU
     return [Piece(slice(bounds[i], bounds[i + 1]), bounds[i + 1], i == 0) for i in range(n)]
 
 
-def equal_length_runs(seq_lens: list[int]) -> list[tuple[int, int]]:
+def equal_length_runs(doc_lens: list[int]) -> list[tuple[int, int]]:
     """(segment length, count) of each run of consecutive equal-length segments, in order."""
     runs: list[tuple[int, int]] = []
-    for n in seq_lens:
+    for n in doc_lens:
         if runs and runs[-1][0] == n:
             runs[-1] = (n, runs[-1][1] + 1)
         else:
@@ -121,10 +121,10 @@ class Run:
         return rows.unflatten(0, (self.count, self.length)).transpose(1, 2)
 
 
-def plan(seq_lens: list[int]) -> list[Run]:
+def plan(doc_lens: list[int]) -> list[Run]:
     """The runs of a row with these segment lengths, and their kernel calls (`pieces`)."""
     runs, start = [], 0
-    for length, count in equal_length_runs(seq_lens):
+    for length, count in equal_length_runs(doc_lens):
         runs.append(Run(start, length, count, pieces(length)))
         start += length * count
     return runs
@@ -134,8 +134,8 @@ class CpuSegmentAttention(torch.autograd.Function):
     """Causal attention within each segment of a packed row: q [T, Hq, D], k and v [T, Hkv, D] -> [T, Hq, D]."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, seq_lens: list[int]) -> Tensor:
-        runs = plan(seq_lens)
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, doc_lens: list[int]) -> Tensor:
+        runs = plan(doc_lens)
         outs: list[Tensor] = []
         lses: list[Tensor] = []
         for run in runs:
@@ -182,6 +182,6 @@ class CpuSegmentAttention(torch.autograd.Function):
         return _row(grads[0]), _row(grads[1]), _row(grads[2]), None
 
 
-def cpu_segment_attention(q: Tensor, k: Tensor, v: Tensor, seq_lens: list[int]) -> Tensor:
-    """Causal attention within each segment (`seq_lens`, summing to T) of q [T, Hq, D], k and v [T, Hkv, D]."""
-    return CpuSegmentAttention.apply(q, k, v, seq_lens)  # type: ignore[no-any-return]
+def cpu_segment_attention(q: Tensor, k: Tensor, v: Tensor, doc_lens: list[int]) -> Tensor:
+    """Causal attention within each segment (`doc_lens`, summing to T) of q [T, Hq, D], k and v [T, Hkv, D]."""
+    return CpuSegmentAttention.apply(q, k, v, doc_lens)  # type: ignore[no-any-return]

@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from lmforge.config.arch import AnyArch
 from lmforge.model.attention import AttentionFn, DocumentMask, get_attention, prepare_mask
-from lmforge.model.config import AnyArch
-from lmforge.model.context_parallel import ContextShard, context_attention
 from lmforge.model.hyper_connections import HyperConnection, collapse_stream, expand_stream, stream_rate
 from lmforge.model.loss import head_cross_entropy, head_token_losses
 from lmforge.model.mlp import MLP
@@ -89,7 +88,7 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
         """x [T, hidden] -> [T, hidden]."""
         q, k, v = self.qkv(x, cos, sin)
-        out = self.attention(q, k, v, mask) if mask.shard is None else context_attention(q, k, v, mask)
+        out = self.attention(q, k, v, mask)
         return self.output(out.reshape(x.shape[0], self.num_heads, self.head_dim), x, v)
 
 
@@ -141,22 +140,27 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, attention, i) for i in range(arch.num_hidden_layers))
         self.attention = attention
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.context: ContextShard | None = None
-        """Under context parallelism (set by `lmforge.parallel.parallelize`): this rank's part of every row; the
-        inputs are its tokens only, and `seq_lens` describes the whole row."""
+        self.row_split = 1
+        """Ranks each row is split over: under context parallelism (`lmforge.parallel.context`) the inputs are this
+        rank's T / row_split tokens of a row, and `doc_lens` describes the whole row."""
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, seq_lens: Tensor) -> Tensor:
-        """input_ids and position_ids [1, T], seq_lens [S] -> final hidden states [1, T, hidden] (under context
-        parallelism, this rank's T / cp tokens of a row whose segments `seq_lens` gives)."""
+    def use_attention(self, attention: AttentionFn, row_split: int = 1) -> None:
+        """Run every layer's attention through `attention` instead of the built backend, for inputs that hold
+        1 / row_split of each row: how context parallelism passes its kernel in."""
+        self.attention, self.row_split = attention, row_split
+        for layer in self.layers:
+            layer.self_attn.attention = attention
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, doc_lens: Tensor) -> Tensor:
+        """input_ids and position_ids [1, T], doc_lens [S] -> final hidden states [1, T, hidden] (under context
+        parallelism, this rank's T / cp tokens of a row whose segments `doc_lens` gives)."""
         if input_ids.shape[0] != 1:
             raise ValueError(f"a micro-batch is one packed row; got batch size {input_ids.shape[0]}")
         x = self.embed_tokens(input_ids[0])
-        mask = DocumentMask.from_seq_lens(seq_lens, x.device)
-        mask.shard = self.context
-        local = mask.total if self.context is None else mask.total // self.context.size
-        if local != x.shape[0]:
-            raise ValueError(f"seq_lens add up to {mask.total}, which is not the {x.shape[0]} tokens of this row"
-                             + ("" if self.context is None else f" x cp {self.context.size}"))  # fmt: skip
+        mask = DocumentMask.from_doc_lens(doc_lens, x.device)
+        if mask.total != x.shape[0] * self.row_split:
+            raise ValueError(f"doc_lens add up to {mask.total}, which is not the {x.shape[0]} tokens of this row"
+                             + ("" if self.row_split == 1 else f" x cp {self.row_split}"))  # fmt: skip
         cos, sin = rotary_cos_sin(position_ids, self.arch.rotary_dim, self.arch.rope_theta, x.dtype)
         prepare_mask(self.attention, mask)
         rate = stream_rate(self.arch)
@@ -216,15 +220,15 @@ class CausalLM(nn.Module):
         self,
         input_ids: Tensor,
         position_ids: Tensor,
-        seq_lens: Tensor,
+        doc_lens: Tensor,
         targets: Tensor | None = None,
         per_token: bool = False,
     ) -> Tensor:
-        """input_ids and position_ids [1, T], seq_lens [S] -> logits [1, T, vocab]; with targets [1, T]
+        """input_ids and position_ids [1, T], doc_lens [S] -> logits [1, T, vocab]; with targets [1, T]
         (IGNORE_INDEX where there is no loss), the fp32 sum of the token cross-entropies instead, or with
         `per_token` (scoring, no gradient) each position's fp32 cross-entropy [T]. The loss is computed inside
         forward so that FSDP sees the LM head used where it manages its parameters."""
-        hidden = self.model(input_ids, position_ids, seq_lens)
+        hidden = self.model(input_ids, position_ids, doc_lens)
         if targets is None:
             return self.lm_head(hidden)
         if per_token:

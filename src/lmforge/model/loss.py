@@ -23,7 +23,7 @@ IGNORE_INDEX = -100
 
 CPU_LOSS_CHUNK_TOKENS = 512
 """`loss_chunk_tokens = "auto"` on the CPU. With vocabulary 8192 and 4096 tokens, loss and gradients took 305 ms
-against 294 ms for the full logits when freed memory is kept (as CPU runs do, `lmforge.runtime.host_memory`), and
+against 294 ms for the full logits when freed memory is kept (as CPU runs do, `lmforge.train.host_memory`), and
 337 against 434 ms when it is not; chunks of 256-2048 tokens were within 3% of each other. Kept for the memory: a
 chunk's logits instead of all of them, with their gradient."""
 

@@ -22,6 +22,7 @@ coeff x the mean segment loss without another term in the model's return value.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,15 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lmforge.config.arch import MoESpec
 from lmforge.model.attention import DocumentMask
-from lmforge.model.config import MoESpec
-from lmforge.model.expert_parallel import (
-    NO_EXPERT_PARALLEL,
-    ExpertShard,
-    all_to_all,
-    inverse_permutation,
-    plan_exchange,
-)
 from lmforge.model.grouped_mm import grouped_mm
 from lmforge.model.mlp import MLP
 
@@ -45,6 +39,20 @@ ExpertsImpl = Literal["auto", "grouped_mm", "loop"]
 """How routed experts are computed: `grouped_mm` (`torch._grouped_mm`, see `lmforge.model.grouped_mm`), `loop` (the
 reference: one matmul pair per expert, with the counts read on the host), `auto` (grouped_mm when torch has it and
 the shapes meet its 16-byte alignment, else loop)."""
+
+
+ExpertExchange = Callable[[Tensor, Tensor, Callable[[Tensor, Tensor], Tensor]], Tensor]
+"""How routed copies reach experts held by other ranks (expert parallelism, passed in by `lmforge.parallel.experts`):
+(copies sorted by expert, copies per routed expert [E], `compute`) -> the copies' outputs in the same order, where
+`compute(rows, counts)` runs this rank's experts on rows sorted by local expert, `counts` [E / ep] of each."""
+
+
+def inverse_permutation(order: Tensor) -> Tensor:
+    """The permutation that undoes `order` (ys[inverse] puts rows sorted by `order` back in place); an index
+    scatter of positions, so gathers stay deterministic on CUDA."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
 
 
 @dataclass
@@ -77,9 +85,10 @@ class Router(nn.Module):
         if spec.selection_bias:
             # Persistent: it is trained state (by the balancing rule, not by gradients) and HF checkpoints hold it.
             self.register_buffer("e_score_correction_bias", torch.zeros(choices), persistent=True)
-        # The quantile balancing rule (lmforge.train.balance) has training forwards add a histogram [choices, bins]
-        # of the values the bias is added to (scores, or logits with `bias_on_logits`) over `choice_range` [lo, hi]
-        # (a device tensor, so a new range each step recompiles nothing); values outside fall in the edge bins.
+        # The quantile balancing rule (lmforge.train.callbacks.balancing) has training forwards add a histogram
+        # [choices, bins] of the values the bias is added to (scores, or logits with `bias_on_logits`) over
+        # `choice_range` [lo, hi] (a device tensor, so a new range each step recompiles nothing); values outside fall
+        # in the edge bins.
         self.record_choices = False
         self.register_buffer("choice_histogram", torch.zeros(choices, 0), persistent=False)
         self.register_buffer("choice_range", torch.tensor([0.0, 1.0]), persistent=False)
@@ -178,8 +187,9 @@ class Experts(nn.Module):
     """The routed experts' gated MLP weights, stacked: gate_up_proj [E, 2I, H] (gate rows first), down_proj
     [E, H, I]; H is the width of the copies they take, the hidden size or, with LatentMoE, the latent one.
 
-    Under expert parallelism (`shard_experts`) the stacks hold only this rank's E / ep experts, and `forward` sends
-    each token copy to the rank holding its expert (`lmforge.model.expert_parallel`)."""
+    Under expert parallelism (`lmforge.parallel.experts`) the stacks hold only this rank's E / ep experts
+    (`keep_experts`), and `forward` hands the sorted copies to the `exchange` passed in, which sends each to the rank
+    holding its expert."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, null_experts: int = 0,
                  act: ExpertGlu = "swiglu", betas: tuple[float, float] = (4.0, 25.0)) -> None:  # fmt: skip
@@ -197,26 +207,20 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.impl: ExpertsImpl = "auto"
-        self.ep: ExpertShard = NO_EXPERT_PARALLEL
-        """This rank's expert-parallel group; the stacks hold experts [expert_offset, expert_offset + E / ep)."""
+        self.expert_offset = 0
+        """Global index of the first expert the stacks hold (0 unless expert parallelism keeps a block of them)."""
+        self.exchange: ExpertExchange | None = None
+        """Under expert parallelism: sends the copies to the ranks holding their experts and back (see
+        `ExpertExchange`); None computes every copy here."""
         self.register_buffer("tokens_computed", torch.zeros(()), persistent=False)
 
-    @property
-    def expert_offset(self) -> int:
-        """Global index of this rank's first expert."""
-        return self.ep.rank * (self.num_experts // self.ep.size)
-
-    def shard(self, shard: ExpertShard) -> None:
-        """Keep only this rank's experts of `shard`'s group (before FSDP wraps the module; on the meta device the
-        stacks just shrink)."""
-        if self.num_experts % shard.size:
-            raise ValueError(f"{self.num_experts} experts do not split over parallel.ep = {shard.size} ranks")
-        local = self.num_experts // shard.size
-        start = shard.rank * local
+    def keep_experts(self, start: int, count: int) -> None:
+        """Keep only experts [start, start + count) in the stacks (before FSDP wraps the module; on the meta device
+        the stacks just shrink)."""
         for name in ("gate_up_proj", "down_proj"):
             old = getattr(self, name)
-            setattr(self, name, nn.Parameter(old.detach()[start : start + local].clone(), old.requires_grad))
-        self.ep = shard
+            setattr(self, name, nn.Parameter(old.detach()[start : start + count].clone(), old.requires_grad))
+        self.expert_offset = start
 
     def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
         """x [T, H], indices and fp32 weights [T, k] -> (gate-weighted sum of the chosen experts' outputs [T, H],
@@ -233,7 +237,8 @@ class Experts(nn.Module):
             # Null copies sort last and are left out of the grouped matmuls, whose rows past the last group (and
             # their gradients) are undefined: selects on both sides keep them out of the output and of x's gradient.
             xs = torch.where(null, torch.zeros((), dtype=xs.dtype, device=xs.device), xs)
-        ys = self._exchanged(xs, counts[:real]) if self.ep.size > 1 else self._compute(xs, counts[:real])
+        routed = counts[:real]
+        ys = self._compute(xs, routed) if self.exchange is None else self.exchange(xs, routed, self._compute)
         if null is not None:
             ys = torch.where(null, torch.zeros((), dtype=ys.dtype, device=ys.device), ys)
         # Back to (token, slot) order through the inverse permutation, then the gate-weighted sum over slots.
@@ -247,17 +252,6 @@ class Experts(nn.Module):
             with torch.no_grad():
                 self.tokens_computed.add_(counts.sum())
         return self._grouped_mm(xs, counts) if self._use_grouped_mm(xs) else self._loop(xs, counts)
-
-    @torch.compiler.disable
-    def _exchanged(self, xs: Tensor, counts: Tensor) -> Tensor:
-        # Outside compiled graphs: the exchange sizes are host ints, read from the device (see expert_parallel).
-        plan = plan_exchange(counts, self.ep)
-        assert self.ep.group is not None
-        sent = sum(plan.send)  # the routed copies; null ones sort after them and stay here
-        received = all_to_all(xs[:sent], plan.recv, plan.send, self.ep.group)
-        ys = self._compute(received[plan.local_order], plan.local_counts)
-        back = all_to_all(ys[inverse_permutation(plan.local_order)], plan.send, plan.recv, self.ep.group)
-        return torch.cat([back, back.new_zeros(xs.shape[0] - sent, back.shape[-1])]) if sent < xs.shape[0] else back
 
     def _use_grouped_mm(self, x: Tensor) -> bool:
         if self.impl == "loop":

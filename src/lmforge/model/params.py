@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lmforge.model.expert_parallel import global_view
-from lmforge.model.moe import MoE
+from lmforge.model.moe import Experts, MoE
 from lmforge.model.roles import param_role
 
 
@@ -53,20 +52,32 @@ def active_fractions(model: nn.Module) -> dict[str, float]:
     return fractions
 
 
+def whole_sizes(model: nn.Module, remove_duplicate: bool = True) -> dict[str, int]:
+    """Name -> element count of each parameter of the whole model: under expert parallelism a rank's expert stacks
+    hold E / ep of each block's experts, and count as the whole stacks (FSDP's DTensors already report whole
+    sizes)."""
+    sizes = {}
+    for name, p in model.named_parameters(remove_duplicate=remove_duplicate):
+        owner = model.get_submodule(name.rpartition(".")[0])
+        stacked = isinstance(owner, Experts) and p.ndim == 3
+        sizes[name] = p.numel() // p.shape[0] * owner.num_experts if stacked else p.numel()
+    return sizes
+
+
 def count_params(model: nn.Module) -> ParamCounts:
     """Count `model`'s parameters by role and activity (see `ParamCounts`)."""
     fractions = active_fractions(model)
     total = embedding = 0
     active = 0.0
-    # Under expert parallelism a rank's expert stacks are pieces of whole ones: count the whole stacks.
-    for name, p in global_view(dict(model.named_parameters()), model).items():
-        total += p.numel()
-        if param_role(name, p.ndim) == "embed":
-            embedding += p.numel()
+    ndims = {name: p.ndim for name, p in model.named_parameters(remove_duplicate=False)}
+    for name, n in whole_sizes(model).items():
+        total += n
+        if param_role(name, ndims[name]) == "embed":
+            embedding += n
         else:
-            active += p.numel() * fractions.get(name, 1.0)
+            active += n * fractions.get(name, 1.0)
     matmul = 0.0
-    for name, p in global_view(dict(model.named_parameters(remove_duplicate=False)), model).items():
-        if p.ndim >= 2 and param_role(name, p.ndim) not in ("embed", "hyper"):
-            matmul += p.numel() * fractions.get(name, 1.0)
+    for name, n in whole_sizes(model, remove_duplicate=False).items():
+        if ndims[name] >= 2 and param_role(name, ndims[name]) not in ("embed", "hyper"):
+            matmul += n * fractions.get(name, 1.0)
     return ParamCounts(total, embedding, total - embedding, active, matmul)

@@ -1,14 +1,5 @@
-"""Process groups, the device mesh, and how a model is sharded over them (FSDP2)."""
-
-from lmforge.parallel.fsdp import apply_activation_checkpointing, parallelize, resolve_param_dtype
-from lmforge.parallel.process_group import DistContext, env_world_size, init_distributed, shutdown_distributed
-
-__all__ = [
-    "DistContext",
-    "apply_activation_checkpointing",
-    "env_world_size",
-    "init_distributed",
-    "parallelize",
-    "resolve_param_dtype",
-    "shutdown_distributed",
-]
+"""Parallelism, one module per kind: the process groups and the device mesh of a run (`process_group`), FSDP2
+sharding with activation checkpointing and compilation (`fsdp`), context parallelism: a row split over ranks and
+attention over the gathered keys (`context`), expert parallelism: the all-to-all dispatch of routed experts
+(`experts`), the run's model built and placed on this rank (`model_setup`), and the liveness of the other ranks
+(`heartbeat`). Each kind passes its kernels into the model; `lmforge.model` never imports this package."""

@@ -14,8 +14,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from lmforge.config.model import ModelConfig
-from lmforge.model.attention import resolve_backend
-from lmforge.model.context_parallel import CP_KERNELS
+from lmforge.model.llama import CausalLM
+from lmforge.parallel.context import apply_context_parallel, context_kernel
 from lmforge.parallel.experts import shard_experts
 from lmforge.parallel.process_group import DistContext
 
@@ -25,19 +25,6 @@ def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
-
-
-def context_kernel(attn: str, device: torch.device) -> str:
-    """The attention kernel under context parallelism for `model.attn`: the backend it names, or for `auto` the one
-    `auto` resolves to that takes a split row (a varlen kernel, else flex attention, on CUDA; SDPA with an explicit
-    mask on the CPU). `sdpa_loop` takes no split row (refused when the config is checked)."""
-    name = resolve_backend(attn, device)
-    if name == "auto":
-        name = "flex" if device.type == "cuda" else "sdpa"
-    if name not in CP_KERNELS:
-        raise ValueError(f"model.attn = {attn!r} does not run under context parallelism; use one of "
-                         f"auto, {', '.join(CP_KERNELS)}")  # fmt: skip
-    return name
 
 
 def fsdp_wraps(cfg: ModelConfig, ctx: DistContext) -> bool:
@@ -80,7 +67,7 @@ def _checkpointed(forward: Callable[..., Any], kwargs: dict[str, Any]) -> Callab
     return run
 
 
-def parallelize(model: nn.Module, blocks: list[nn.Module], cfg: ModelConfig, ctx: DistContext) -> nn.Module:
+def parallelize(model: CausalLM, blocks: list[nn.Module], cfg: ModelConfig, ctx: DistContext) -> CausalLM:
     """Checkpoint, compile and shard (per block, then the root) a freshly built model, on the rank's device.
     A model built on the meta device gets storage for this rank's shards only, uninitialized.
 
@@ -89,7 +76,7 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], cfg: ModelConfig, ctx
     mixed-precision policy is what keeps fp32 master weights, so it wraps at any world size.
     """
     if ctx.cp.size > 1:
-        model.model.context = replace(ctx.cp, kernel=context_kernel(cfg.attn, ctx.device))  # type: ignore[union-attr]
+        apply_context_parallel(model, replace(ctx.cp, kernel=context_kernel(cfg.attn, ctx.device)))
     experts = shard_experts(model, ctx.ep) if ctx.ep.size > 1 else []
     if cfg.ac.mode != "none":
         apply_activation_checkpointing(blocks, cfg.ac.freq, cfg.ac.mode)

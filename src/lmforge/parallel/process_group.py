@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lmforge.model.context_parallel import ContextShard
-from lmforge.model.expert_parallel import NO_EXPERT_PARALLEL, ExpertShard
+from lmforge.parallel.context import ContextShard
+from lmforge.parallel.experts import NO_EXPERT_PARALLEL, ExpertShard
 
 
 @dataclass
@@ -52,11 +52,6 @@ class DistContext:
     def is_main(self) -> bool:
         """Rank 0 writes the run directory and the console."""
         return self.rank == 0
-
-
-def env_world_size() -> int:
-    """The world size torchrun announces, 1 for a plain process (usable before the process group exists)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def init_distributed(timeout_minutes: float = 30.0, cp: int = 1, ep: int = 1) -> DistContext:

@@ -60,10 +60,10 @@ def param_counts(model: nn.Module) -> dict[str, float]:
     return count_params(model).metrics()
 
 
-def attended_pairs(seq_lens: Iterable[torch.Tensor]) -> int:
-    """Sum of s (s + 1) / 2 over the segments of some micro-batches (their CPU `seq_lens`)."""
+def attended_pairs(doc_lens: Iterable[torch.Tensor]) -> int:
+    """Sum of s (s + 1) / 2 over the segments of some micro-batches (their CPU `doc_lens`)."""
     total = 0
-    for lens in seq_lens:
+    for lens in doc_lens:
         s = lens.to(torch.int64)
         total += int((s * (s + 1) // 2).sum())
     return total

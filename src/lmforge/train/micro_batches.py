@@ -37,21 +37,16 @@ class MicroBatchStats:
     """bool [micro-batches]: which micro-batches had a finite loss."""
 
 
-def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
-    """Move a micro-batch to the compute device; `seq_lens` stays on the CPU, where its values are read."""
-    return {k: v if k == "seq_lens" else v.to(device, non_blocking=True) for k, v in mb.items()}
-
-
 def token_loss_sum(model: nn.Module, mb: MicroBatch) -> Tensor:
     """Sum of the cross-entropy (fp32) over the loss tokens of one micro-batch (the model computes it, in chunks
     when its `loss_chunk_tokens` is set)."""
-    targets = mb["target_ids"].masked_fill(~mb["loss_mask"], IGNORE_INDEX)
-    return model(mb["input_ids"], mb["position_ids"], mb["seq_lens"], targets=targets)
+    targets = mb.target_ids.masked_fill(~mb.loss_mask, IGNORE_INDEX)
+    return model(mb.input_ids, mb.position_ids, mb.doc_lens, targets=targets)
 
 
 def global_loss_tokens(micro_batches: Sequence[MicroBatch]) -> Tensor:
     """Loss tokens of the whole step over all ranks, as a device scalar (one all-reduce, no host read)."""
-    count = torch.stack([mb["loss_mask"].sum() for mb in micro_batches]).sum().float()
+    count = torch.stack([mb.loss_mask.sum() for mb in micro_batches]).sum().float()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(count)
     return count.clamp_min(1.0)
@@ -72,7 +67,7 @@ def run_micro_batches(
     finite is counted and excluded from the loss statistics; its gradient is removed by `rerun_without_nonfinite`.
     """
     n = len(micro_batches)
-    on_device = [to_device(mb, device) for mb in micro_batches]  # token tensors are small; copies overlap
+    on_device = [mb.to(device, non_blocking=True) for mb in micro_batches]  # token tensors are small; copies overlap
     denom = global_loss_tokens(on_device)
     zero = torch.zeros((), device=device)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
@@ -87,8 +82,8 @@ def run_micro_batches(
             finite = torch.isfinite(ce_sum)
             finite_flags[i] = finite
             loss_sum += torch.where(finite, ce_sum.double(), 0.0)
-            loss_tokens += torch.where(finite, mb["loss_mask"].sum().float(), 0.0)
-            tokens += mb["input_ids"].numel()
+            loss_tokens += torch.where(finite, mb.loss_mask.sum().float(), 0.0)
+            tokens += mb.input_ids.numel()
             nan_count += (~finite).float()
     if defer_grad_sync:
         _set_sync(model, True)

@@ -3,7 +3,8 @@
     for each step:  micro-batches -> forward/backward -> one reduction -> clip, schedule and update -> metrics
 
 A `Trainer` is made of typed parts (model, optimizers, data stream, monitors) and a list of callbacks, the
-optional features that only some runs use (see `lmforge.train.callbacks`).
+optional features that only some runs use (`lmforge.train.callbacks`), called in the order that
+`lmforge.train.callbacks.order` declares.
 """
 
 from __future__ import annotations
@@ -17,13 +18,16 @@ from typing import Any
 
 import torch
 
+from lmforge.checkpoint.layout import MODEL_FILES
+from lmforge.checkpoint.load import load_checkpoint
 from lmforge.config.train import TrainConfig
-from lmforge.data import TokenizerInfo, build_step_data, load_tokenizer
 from lmforge.data.batch import MicroBatch
 from lmforge.data.prefetch import Prefetcher
-from lmforge.data.stream import DataSummary, open_stream, summarize
+from lmforge.data.stream import DataSummary, build_step_data, open_stream, summarize
+from lmforge.data.tokenizer import TokenizerInfo, load_tokenizer
 from lmforge.data.tokens import TokenData
 from lmforge.eval.validation import Validator
+from lmforge.hf.folder import write_model_files
 from lmforge.model.attention import describe_backend
 from lmforge.model.completep import role_scales
 from lmforge.model.fp8 import describe_fp8, precompute_fp8_scales, uses_fp8_all_gather
@@ -32,22 +36,24 @@ from lmforge.model.llama import CausalLM
 from lmforge.model.roles import param_role
 from lmforge.monitor import Monitors
 from lmforge.optim import Optimizers, OptimizerStep, build_optimizer
-from lmforge.parallel import DistContext
 from lmforge.parallel.context import shard_micro_batch
-from lmforge.runtime.checkpoint import MODEL_FILES, load_checkpoint
-from lmforge.runtime.hf_folder import write_model_files
-from lmforge.runtime.host_memory import retain_freed_memory
-from lmforge.runtime.model_setup import build_run_model
-from lmforge.train.balance import MoEBalancer
-from lmforge.train.callbacks import Callback, SpikeFlags, Validation
-from lmforge.train.checkpointing import Checkpointing, EvalSnapshots
+from lmforge.parallel.model_setup import build_run_model
+from lmforge.parallel.process_group import DistContext
+from lmforge.train.callbacks.balancing import MoEBalancer
+from lmforge.train.callbacks.base import Callback
+from lmforge.train.callbacks.checkpointing import Checkpointing
+from lmforge.train.callbacks.eval_snapshots import EvalSnapshots
+from lmforge.train.callbacks.order import in_order
+from lmforge.train.callbacks.reporting import Reporting, build_monitors
+from lmforge.train.callbacks.source_shares import SourceShares
+from lmforge.train.callbacks.spike_flags import SpikeFlags
+from lmforge.train.callbacks.validation import Validation
 from lmforge.train.flops import FlopCounter, attended_pairs, param_counts, peak_flops
+from lmforge.train.host_memory import retain_freed_memory
 from lmforge.train.logs import close_logger, rank_logger
 from lmforge.train.metrics import peak_memory_gib, perplexity, reduce_step_stats
 from lmforge.train.micro_batches import MicroBatchStats, rerun_without_nonfinite, run_micro_batches
 from lmforge.train.preemption import StopRequest
-from lmforge.train.reporting import Reporting, build_monitors
-from lmforge.train.sources import SourceShares
 
 
 class Trainer:
@@ -80,7 +86,7 @@ class Trainer:
     log: logging.Logger
     """This rank's log file."""
     callbacks: list[Callback]
-    """Optional features, called in this order (see `lmforge.train.callbacks`)."""
+    """Optional features, in the order `lmforge.train.callbacks.order.ORDER` declares (the loop calls them so)."""
     step: int
     """Optimizer steps taken (including those before a resume)."""
     tokens_seen: int
@@ -100,8 +106,9 @@ class Trainer:
         console: bool = True,
         resume_from: Path | None = None,
     ) -> None:
-        """Build every part of this rank; `callbacks` run after the configured ones (before reporting).
-        `resume_from` is a checkpoint folder (see `lmforge.runtime.run_dir.prepare_run`)."""
+        """Build every part of this rank; `callbacks` run after the configured ones, before reporting (`EXTRA` in
+        `lmforge.train.callbacks.order`).
+        `resume_from` is a checkpoint folder (see `lmforge.checkpoint.run_dir.prepare_run`)."""
         self.config, self.ctx = config, ctx
         # On the CPU, reusing freed activation memory saves the page faults of fresh buffers every step.
         kept = retain_freed_memory() if ctx.device.type == "cpu" else False
@@ -126,9 +133,9 @@ class Trainer:
         if ctx.is_main:
             vocab = self.model.vocab_size
             write_model_files(self.run_dir / MODEL_FILES, arch, vocab, self.tokenizer, init_std=config.model.init.std)
-        self.callbacks = self._configured_callbacks(balancer)
+        configured = self._configured_callbacks(balancer)
         if isinstance(source, TokenData) and source.sources is not None:
-            self.callbacks.append(SourceShares(source.sources.names))
+            configured.append(SourceShares(source.sources.names))
         self.flops = FlopCounter(self.model, arch.num_hidden_layers, arch.num_attention_heads, arch.dim_per_head)
         self.peak_flops = peak_flops(ctx.device)
         self.params = param_counts(self.model)
@@ -145,8 +152,8 @@ class Trainer:
         )  # fmt: skip
         if config.val.sets or config.val.data:
             validator = Validator(config.val, config.data, self.tokenizer, ctx.dp_rank, ctx.dp_size, ctx.cp)
-            self.callbacks.append(Validation(validator))
-        self.callbacks += [*callbacks, Reporting(config)]
+            configured.append(Validation(validator))
+        self.callbacks = in_order([*configured, *callbacks, Reporting(config)])
         saved = state.get("callbacks", {})
         for cb in self.callbacks:
             if cb.name in saved:
@@ -160,7 +167,7 @@ class Trainer:
             stds = {n: scale(param_role(n, p.ndim)).init_std for n, p in self.model.named_parameters()}
             init_weights(self.model, init.std, init.seed, init.truncate, stds)
         else:
-            from lmforge.model.hf_weights import load_hf_weights
+            from lmforge.hf.weights import load_hf_weights
 
             load_hf_weights(self.model, Path(config.model.name))
 
@@ -187,7 +194,6 @@ class Trainer:
     def _configured_callbacks(self, balancer: MoEBalancer | None) -> list[Callback]:
         config, ctx = self.config, self.ctx
         callbacks: list[Callback] = [] if balancer is None else [balancer]
-        # Spike flags come before the checkpoint, so that a checkpoint's spike history includes its own step.
         callbacks.append(SpikeFlags(config.log))
         callbacks.append(Checkpointing(self.run_dir, config.ckpt, ctx, config.max_steps))
         if config.eval_snapshots.interval is not None:
@@ -241,7 +247,7 @@ class Trainer:
         wait = torch.tensor(data_wait, device=device)
         memory = torch.tensor(peak_memory_gib(device), device=device)
         # Under context parallelism every rank of a group has the whole row's segments: each counts its share.
-        pairs = float(attended_pairs(mb["seq_lens"] for mb in micro_batches)) / self.ctx.cp.size
+        pairs = float(attended_pairs(mb.doc_lens for mb in micro_batches)) / self.ctx.cp.size
         sums: dict[str, torch.Tensor] = {
             "loss_sum": stats.loss_sum,
             "loss_tokens": stats.loss_tokens,
@@ -290,7 +296,13 @@ class Trainer:
         return metrics
 
     def train(self) -> None:
-        """Run steps until max_steps (or a stop signal), then the callbacks' end of training."""
+        """Run steps until max_steps (or a stop signal), then the callbacks' end of training.
+
+        After each optimizer step the callbacks run in their declared order (`lmforge.train.callbacks.order`):
+        MoE balancing metrics, spike flags, then `Checkpointing` saves a checkpoint when one is due (every
+        `ckpt.interval` steps, the last step, a stop request), `EvalSnapshots` writes the eval worker's snapshot,
+        `Validation` runs the held-out sets every `val.interval` steps, and `Reporting` logs the step last. At the
+        end, `Checkpointing` finishes a background save and `Validation` runs `val.eval_on_end`'s round."""
         cfg = self.config
         stop = StopRequest()
         stop.install()
@@ -304,6 +316,7 @@ class Trainer:
                 metrics = self.train_step(micro_batches, time.perf_counter() - t0, stop.requested)
                 metrics["time/step"] = time.perf_counter() - last
                 self._add_throughput(metrics)
+                # Spike flags, checkpoint save, eval snapshot, validation, ..., logging: in the declared order.
                 for cb in self.callbacks:
                     cb.after_optimizer_step(self, metrics)
                 last = time.perf_counter()  # a checkpoint's time is time/save_ckpt, not the next step's time/step

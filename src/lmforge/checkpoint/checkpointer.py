@@ -1,4 +1,4 @@
-"""Sharded checkpoints (torch.distributed.checkpoint) with an atomic commit, retention and exact resume.
+"""Writing sharded checkpoints (torch.distributed.checkpoint) with an atomic commit and retention.
 
 Layout of one checkpoint, `<output_dir>/checkpoints/step_N/`:
 
@@ -11,7 +11,8 @@ Layout of one checkpoint, `<output_dir>/checkpoints/step_N/`:
 
 Everything is written into `checkpoints/.tmp_step_N/`, which is renamed to `step_N` once complete; only then is
 `checkpoints/latest` (a file holding the step number) replaced. A crash at any moment therefore leaves `latest`
-naming a complete checkpoint, and leftovers of an interrupted save are never mistaken for one.
+naming a complete checkpoint, and leftovers of an interrupted save are never mistaken for one. Reading them back
+is `lmforge.checkpoint.load`'s job.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import json
 import os
 import shutil
 import time
-import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -31,92 +31,27 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-from lmforge.config.ckpt import CkptConfig
-from lmforge.model.expert_parallel import global_view
-from lmforge.parallel import DistContext
-from lmforge.runtime.ckpt_layout import (
+from lmforge.checkpoint.layout import (
     CHECKPOINTS,
     LATEST,
-    MODEL_FILES,
     OLD_PREFIX,
     SNAPSHOTS,
     TMP_PREFIX,
     TRAINER_STATE,
     CheckpointError,
-    find_checkpoint,
-    is_complete,
     list_checkpoints,
     read_latest,
     retained,
     step_name,
     write_atomic,
 )
-from lmforge.runtime.rng_state import RNG_FORMAT, read_rng_state, rng_state, set_rng_state
-from lmforge.runtime.safe_load import SafeCheckpointReader, SafeLoadPlanner
-
-__all__ = [
-    "CHECKPOINTS",
-    "LATEST",
-    "MODEL_FILES",
-    "RNG_FORMAT",
-    "SNAPSHOTS",
-    "TRAINER_STATE",
-    "CheckpointError",
-    "Checkpointer",
-    "SafeCheckpointReader",
-    "SafeLoadPlanner",
-    "find_checkpoint",
-    "is_complete",
-    "list_checkpoints",
-    "load_checkpoint",
-    "load_model_state",
-    "load_model_weights",
-    "plain_state",
-    "read_latest",
-    "read_rng_state",
-    "read_trainer_state",
-    "retained",
-    "rng_state",
-    "set_rng_state",
-    "step_name",
-    "write_atomic",
-]
-
-
-def _plain(t: Any) -> Any:
-    """`t` without a tensor subclass that only wraps one tensor of the same shape and dtype (torchao's float8
-    weights under FSDP: `model.fp8`); a DTensor keeps its layout around the unwrapped shard. The plain tensor shares
-    the wrapper's storage, so loading into it loads the live parameter."""
-    local = t._local_tensor if isinstance(t, DTensor) else t
-    flatten = getattr(local, "__tensor_flatten__", None)
-    if type(local) is torch.Tensor or type(local) is nn.Parameter or flatten is None:
-        return t
-    names, _ = flatten()
-    inner = getattr(local, names[0]) if len(names) == 1 else None
-    if not isinstance(inner, torch.Tensor) or inner.shape != local.shape or inner.dtype != local.dtype:
-        return t
-    if isinstance(t, DTensor):
-        return DTensor.from_local(inner, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
-    return inner
-
-
-def plain_state(state: Any) -> Any:
-    """A checkpoint payload (nested dicts and lists) with its wrapped tensors unwrapped (`_plain`): the files then
-    hold plain tensors, which load without the library that wrapped them (an FP8 run resumes without FP8, and
-    exports need no torchao)."""
-    if isinstance(state, dict):
-        return {k: plain_state(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [plain_state(v) for v in state]
-    return _plain(state) if isinstance(state, torch.Tensor) else state
+from lmforge.checkpoint.payload import optimizers_of, plain_state
+from lmforge.checkpoint.rng_state import rng_state
+from lmforge.config.ckpt import CkptConfig
+from lmforge.parallel.experts import global_view
+from lmforge.parallel.process_group import DistContext
 
 
 def _failure_cause(err: BaseException) -> str:
@@ -127,11 +62,6 @@ def _failure_cause(err: BaseException) -> str:
             inner = failure[0] if isinstance(failure, tuple) else failure
             return _failure_cause(inner)
     return f"{type(err).__name__}: {err}"
-
-
-def optimizers_of(optimizer: Any) -> tuple[torch.optim.Optimizer, ...]:
-    """The torch optimizers behind the trainer's optimizer (an `Optimizers` set, or a single one)."""
-    return tuple(getattr(optimizer, "optimizers", (optimizer,)))
 
 
 class Checkpointer:
@@ -295,82 +225,3 @@ class Checkpointer:
     def close(self) -> None:
         """Finish a background save (every rank), so no process exits with its shards half-written."""
         self.wait()
-
-
-def _load(state: dict[str, Any], path: Path, **kwargs: Any) -> None:
-    """`dcp.load` of `state` from the checkpoint folder `path` through the safe reader and planner."""
-    dcp.load(state, storage_reader=SafeCheckpointReader(str(path)), planner=SafeLoadPlanner(), **kwargs)
-
-
-def _tensor_shapes(path: Path, prefix: str) -> dict[str, tuple[int, ...]]:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    metadata = SafeCheckpointReader(str(path)).read_metadata()
-    return {
-        key[len(prefix) :]: tuple(meta.size)
-        for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
-    }
-
-
-def check_model_shapes(path: Path, model: nn.Module) -> None:
-    """Raise a CheckpointError listing every parameter that is missing, extra or of another shape."""
-    saved = _tensor_shapes(path, "model.")
-    expected = {name: tuple(t.shape) for name, t in global_view(model.state_dict(), model).items()}
-    problems = [f"{n}: missing from the checkpoint" for n in sorted(expected.keys() - saved.keys())]
-    problems += [f"{n}: in the checkpoint but not in the model" for n in sorted(saved.keys() - expected.keys())]
-    problems += [
-        f"{n}: checkpoint shape {list(saved[n])}, model shape {list(expected[n])}"
-        for n in sorted(expected.keys() & saved.keys())
-        if saved[n] != expected[n]
-    ]
-    if problems:
-        shown = problems[:12] + ([f"... and {len(problems) - 12} more"] if len(problems) > 12 else [])
-        raise CheckpointError(f"checkpoint {path} does not fit the configured model:\n  " + "\n  ".join(shown))
-
-
-def read_trainer_state(path: Path) -> dict[str, Any]:
-    """The trainer state (`trainer.json`) of a checkpoint."""
-    return json.loads((path / TRAINER_STATE).read_text())
-
-
-def load_checkpoint(path: Path, model: nn.Module, optimizer: Any, rank: int) -> dict[str, Any]:
-    """Load model (and optimizer, unless None) shards into the live, possibly sharded, objects; returns the
-    trainer state. The optimizer's hyperparameters stay those of the current config: only its state is loaded.
-    RNG states are restored when the checkpoint was written by the same world size."""
-    state = read_trainer_state(path)
-    if optimizer is None:
-        load_model_state(path, model)
-    else:
-        check_model_shapes(path, model)
-        hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        model_sd, optim_sd = get_state_dict(model, optimizers_of(optimizer))
-        payload = plain_state({"model": model_sd, "optim": optim_sd})
-        # The view shares the payload's storage: loading into it fills the payload.
-        _load(global_view(payload, model), path)
-        set_state_dict(
-            model, optimizers_of(optimizer), model_state_dict=payload["model"], optim_state_dict=payload["optim"]
-        )
-        for group, saved in zip(optimizer.param_groups, hyper, strict=True):
-            group.update(saved)
-    rng = path / "rng" / f"rank_{rank}.pt"
-    if state.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1) and rng.is_file():
-        set_rng_state(read_rng_state(rng))
-    return state
-
-
-def load_model_state(path: Path, model: nn.Module) -> None:
-    """Load a checkpoint's or snapshot's model weights into the live, possibly sharded, model (every rank)."""
-    check_model_shapes(path, model)
-    model_sd = plain_state(get_model_state_dict(model))
-    _load(global_view({"model": model_sd}, model), path)
-    set_model_state_dict(model, model_sd)
-
-
-def load_model_weights(path: Path, model: nn.Module) -> None:
-    """Load a checkpoint's model weights into a plain (unsharded) module, without a process group."""
-    check_model_shapes(path, model)
-    state = model.state_dict()
-    with warnings.catch_warnings():  # DCP warns that it runs without a process group, which is the point here
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        _load({"model": state}, path, no_dist=True)

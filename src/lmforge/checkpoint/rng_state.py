@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmforge.runtime.ckpt_layout import CheckpointError
+from lmforge.checkpoint.layout import CheckpointError
 
 RNG_FORMAT = 2
 """Layout of `rng/rank_<k>.pt`: tensors and plain Python values only, so that it loads with `weights_only=True`.

@@ -6,9 +6,9 @@ import json
 import shutil
 from pathlib import Path
 
+from lmforge.checkpoint.layout import CHECKPOINTS, CheckpointError, find_checkpoint, read_trainer_state, write_atomic
 from lmforge.config.loader import ConfigError, dump_toml
 from lmforge.config.train import TrainConfig
-from lmforge.runtime.checkpoint import CHECKPOINTS, CheckpointError, find_checkpoint, read_trainer_state, write_atomic
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:

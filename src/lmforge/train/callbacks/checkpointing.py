@@ -1,5 +1,5 @@
-"""When the run saves: checkpoints (`[ckpt]`, and on a stop request) and the eval worker's model-only snapshots
-(`[eval_snapshots]`). How a save is written and committed is `lmforge.runtime.checkpoint`'s job."""
+"""When the run saves checkpoints: every `ckpt.interval` steps, at the last step, and on a stop request. How a save
+is written and committed is `lmforge.checkpoint.checkpointer`'s job."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lmforge.checkpoint.checkpointer import Checkpointer
+from lmforge.checkpoint.layout import MODEL_FILES
 from lmforge.config.ckpt import CkptConfig
 from lmforge.data.batch import MicroBatch
-from lmforge.parallel import DistContext
-from lmforge.runtime.checkpoint import MODEL_FILES, Checkpointer
-from lmforge.train.callbacks import Callback
+from lmforge.parallel.process_group import DistContext
+from lmforge.train.callbacks.base import Callback
 
 if TYPE_CHECKING:
     from lmforge.train.trainer import Trainer
@@ -52,26 +53,4 @@ class Checkpointing(Callback):
 
     def on_train_end(self, trainer: Trainer) -> None:
         """Finish a background save, so no process exits with its shards half-written."""
-        self.checkpointer.close()
-
-
-class EvalSnapshots(Callback):
-    """Model-only snapshots for `lmforge eval` every `eval_snapshots.interval` steps and at the last step, written
-    in the background on a gloo group of their own. Logs `time/save_snapshot` (the time the loop was blocked)."""
-
-    def __init__(self, run_dir: Path, interval: int, ctx: DistContext, max_steps: int) -> None:
-        """Snapshots go to `<run_dir>/snapshots/step_N/`."""
-        self.checkpointer = Checkpointer(run_dir, CkptConfig(async_save=True), ctx, {}, model_only=True)
-        self.interval = interval
-        self.max_steps = max_steps
-
-    def after_optimizer_step(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        """Snapshot when due, else commit a finished one."""
-        if trainer.step % self.interval == 0 or trainer.step == self.max_steps:
-            metrics["time/save_snapshot"] = self.checkpointer.save(trainer.step, trainer.model, None, {})
-        else:
-            self.checkpointer.poll()
-
-    def on_train_end(self, trainer: Trainer) -> None:
-        """Finish the last background write."""
         self.checkpointer.close()

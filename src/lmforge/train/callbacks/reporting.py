@@ -9,12 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lmforge.checkpoint.layout import CHECKPOINTS
 from lmforge.config.train import TrainConfig
 from lmforge.model.attention import describe_backend
 from lmforge.monitor import ConsoleMonitor, JsonlMonitor, Monitors
 from lmforge.monitor.console import format_line
-from lmforge.runtime.checkpoint import CHECKPOINTS
-from lmforge.train.callbacks import Callback
+from lmforge.train.callbacks.base import Callback
 
 if TYPE_CHECKING:
     from lmforge.train.trainer import Trainer

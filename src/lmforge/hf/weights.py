@@ -21,10 +21,10 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lmforge.model.expert_parallel import global_view
-from lmforge.model.hf_config import HFModelError
-from lmforge.model.hf_names import checkpoint_sources, ignored_checkpoint_name, persistent_buffers
+from lmforge.config.hf_config import HFModelError
+from lmforge.hf.names import checkpoint_sources, ignored_checkpoint_name, persistent_buffers
 from lmforge.model.moe import MoE
+from lmforge.parallel.experts import global_view
 
 SINGLE_FILE = "model.safetensors"
 """Weights file of a checkpoint that fits in one shard."""

@@ -12,20 +12,21 @@ from pathlib import Path
 
 import torch
 
-from lmforge.data.tokenizer import TokenizerInfo, load_tokenizer
-from lmforge.model import build_model
-from lmforge.model.config import AnyArch
-from lmforge.model.hf_config import (
+from lmforge.checkpoint.layout import MODEL_FILES, CheckpointError, find_checkpoint
+from lmforge.checkpoint.load import load_model_weights
+from lmforge.config.arch import AnyArch
+from lmforge.config.hf_config import (
     HFModelError,
     HFModelInfo,
     arch_to_hf_config,
     generation_config,
     read_hf_config,
 )
-from lmforge.model.hf_names import export_tensors
-from lmforge.model.hf_weights import load_hf_weights, require_safetensors, write_safetensors
+from lmforge.data.tokenizer import TokenizerInfo, load_tokenizer
+from lmforge.hf.names import export_tensors
+from lmforge.hf.weights import load_hf_weights, require_safetensors, write_safetensors
+from lmforge.model import build_model
 from lmforge.model.llama import CausalLM
-from lmforge.runtime.checkpoint import MODEL_FILES, CheckpointError, find_checkpoint, load_model_weights
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from lmforge.runtime.ckpt_layout import CheckpointError
+from lmforge.checkpoint.layout import CheckpointError
 
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from lmforge.data.batch import MicroBatch
-from lmforge.train.callbacks import Callback
+from lmforge.train.callbacks.base import Callback
 
 if TYPE_CHECKING:
     from lmforge.train.trainer import Trainer
@@ -36,8 +36,8 @@ class SourceShares(Callback):
         """Add up this rank's counts of the step (host tensors: no device work)."""
         self._step = np.zeros(len(self.names), dtype=np.int64)
         for mb in micro_batches:
-            if "source_tokens" in mb:
-                self._step += mb["source_tokens"].numpy()
+            if mb.source_tokens is not None:
+                self._step += mb.source_tokens.numpy()
 
     def step_sums(self, trainer: Trainer) -> dict[str, Tensor]:
         """This rank's counts, summed over the ranks in the step's reduction."""

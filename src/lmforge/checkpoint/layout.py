@@ -1,6 +1,6 @@
 """Where checkpoints live in a run directory and how they are named, found, kept and committed.
 
-    <output_dir>/checkpoints/step_N/   one checkpoint (see `lmforge.runtime.checkpoint`)
+    <output_dir>/checkpoints/step_N/   one checkpoint (see `lmforge.checkpoint.checkpointer`)
     <output_dir>/checkpoints/latest    the step of the newest committed checkpoint, replaced atomically
     <output_dir>/snapshots/step_N/     model-only snapshots for the eval worker
 
@@ -9,9 +9,11 @@ A checkpoint is written under `.tmp_step_N` and renamed when complete; a replace
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 CHECKPOINTS = "checkpoints"
 SNAPSHOTS = "snapshots"
@@ -113,3 +115,8 @@ def retained(steps: Iterable[int], keep_last: int, keep_interval: int | None) ->
     if keep_interval:
         keep |= {s for s in ordered if s % keep_interval == 0}
     return keep
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """The trainer state (`trainer.json`) of a checkpoint."""
+    return json.loads((path / TRAINER_STATE).read_text())

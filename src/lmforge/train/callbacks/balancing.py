@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from lmforge.config.model import MoEBalanceConfig
 from lmforge.data.batch import MicroBatch
 from lmforge.model.moe import MoE
-from lmforge.train.callbacks import Callback
+from lmforge.train.callbacks.base import Callback
 
 if TYPE_CHECKING:
     from lmforge.train.trainer import Trainer
@@ -197,7 +197,7 @@ class MoEBalancer(Callback):
                 block.gate.record_choices = False
         if self.seq_aux_coeff > 0:
             device = self.blocks[0].aux_scale.device
-            segments = torch.tensor(float(sum(len(mb["seq_lens"]) for mb in micro_batches)), device=device)
+            segments = torch.tensor(float(sum(len(mb.doc_lens) for mb in micro_batches)), device=device)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(segments)
             self._segments = segments

@@ -7,13 +7,13 @@ from pathlib import Path
 
 from lmforge.config.loader import ConfigError
 from lmforge.config.train import TrainConfig
-from lmforge.data import TokenizerInfo
+from lmforge.data.tokenizer import TokenizerInfo
 from lmforge.model import build_model
 from lmforge.model.fp8 import apply_fp8, check_fp8_device
 from lmforge.model.llama import CausalLM
 from lmforge.model.loss import resolve_loss_chunk
-from lmforge.parallel import DistContext, parallelize
-from lmforge.parallel.fsdp import fsdp_wraps
+from lmforge.parallel.fsdp import fsdp_wraps, parallelize
+from lmforge.parallel.process_group import DistContext
 
 VOCAB_MULTIPLE = 128
 
@@ -27,7 +27,7 @@ def model_vocab_size(config: TrainConfig, tokenizer: TokenizerInfo | None) -> in
     """The model's vocabulary: a pretrained model's own, else the tokenizer's length (or fake data's id range)
     rounded up to 128."""
     if config.model.name is not None:
-        from lmforge.model.hf_config import read_hf_config
+        from lmforge.config.hf_config import read_hf_config
 
         vocab = read_hf_config(Path(config.model.name)).vocab_size
         ids = tokenizer.size if tokenizer is not None else getattr(config.data, "vocab_size", 0)

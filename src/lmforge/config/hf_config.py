@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from lmforge.model.config import AnyArch, Glm4MoeArch, LlamaArch, Qwen3Arch, Qwen3MoeArch
+from lmforge.config.arch import AnyArch, Glm4MoeArch, LlamaArch, Qwen3Arch, Qwen3MoeArch
 
 CONFIG_NAME = "config.json"
 """File name of the model config inside an HF model folder."""
