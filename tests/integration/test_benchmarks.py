@@ -1,4 +1,6 @@
-"""The benchmark scripts keep running (tiny sizes; their figures are recorded in docs/benchmarks.md)."""
+"""The benchmark scripts keep running (tiny sizes; their figures are recorded in docs/benchmarks.md).
+
+`BENCHMARKS` holds one row per script: its arguments after `--smoke`, its timeout, and the check of its figures."""
 
 from __future__ import annotations
 
@@ -7,20 +9,30 @@ import math
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
 
+Result = subprocess.CompletedProcess[str]
 
-def test_overhead_smoke_trains_the_same_model_on_every_side(tmp_path: Path) -> None:
-    out = tmp_path / "overhead.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--smoke", "--no-live-memory", "--json", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    figures = json.loads(out.read_text())
+
+def run_benchmark(tmp_path: Path, script: str, *args: str, timeout: float, name: str = "") -> tuple[Any, Result]:
+    """Run `benchmarks/<script> <args> --json <tmp_path>/<name>.json` (name: the script's stem unless given), check
+    that it exits 0 and return the figures it wrote and the finished process."""
+    out = tmp_path / f"{name or Path(script).stem}.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / script), *args, "--json", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return json.loads(out.read_text()), result
+
+
+def check_overhead(figures: Any, result: Result, tmp_path: Path) -> None:
+    """`overhead.py --smoke` trains the same model on every side."""
     sides = ("lmforge", "plain_eager", "plain_compiled")
     assert all(figures["best"][side]["tokens_per_s"] > 0 for side in sides)
     # lmforge is set against each plain side and against the faster of them
@@ -32,15 +44,11 @@ def test_overhead_smoke_trains_the_same_model_on_every_side(tmp_path: Path) -> N
         assert figures["max_loss_diff"][side] < 1e-4
 
 
-def test_peers_smoke_runs_lmforge_and_the_plain_loop(tmp_path: Path) -> None:
+def check_peers(figures: Any, result: Result, tmp_path: Path) -> None:
     """`peers.py --smoke` trains the tiny model with lmforge (1 and 2 processes) and the plain loop, reports the
     peers as skipped without installing them, and with `--profile` writes each side's table of top operators."""
-    out, profiles = tmp_path / "peers.json", tmp_path / "profiles"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--smoke", "--json", str(out)]
-    cmd += ["--profile", str(profiles), "--quiet-wait", "0"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    rows = {(row["side"], row["procs"]): row for row in json.loads(out.read_text())["sides"]}
+    out, profiles = tmp_path / "peers.json", tmp_path / "profiles"  # where run_benchmark and the row put them
+    rows = {(row["side"], row["procs"]): row for row in figures["sides"]}
     for side in (("lmforge", 1), ("lmforge", 2), ("lmforge doc-masked", 1), ("plain eager", 1)):
         assert rows[side]["status"] == "ok", rows[side]["reason"]
         assert rows[side]["tokens_per_s"] > 0 and rows[side]["peak_rss_mib"] > 0
@@ -61,49 +69,33 @@ def test_peers_smoke_runs_lmforge_and_the_plain_loop(tmp_path: Path) -> None:
         text = table.read_text()
         assert text.startswith("optimizer steps 2..3") and "aten::mm" in text, text[:500]
     # --merge pools the runs of earlier invocations: the same file twice doubles each side's runs, not its median.
-    merged = tmp_path / "merged.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--merge", str(out), str(out), "--json", str(merged)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    pooled = {(row["side"], row["procs"]): row for row in json.loads(merged.read_text())["sides"]}
-    assert len(json.loads(merged.read_text())["runs"]) == 2 * len(json.loads(out.read_text())["runs"])
+    merged, _ = run_benchmark(tmp_path, "peers.py", "--merge", str(out), str(out), timeout=60, name="merged")
+    pooled = {(row["side"], row["procs"]): row for row in merged["sides"]}
+    assert len(merged["runs"]) == 2 * len(figures["runs"])
     for side in (("lmforge", 1), ("lmforge", 2), ("plain eager", 1)):
         assert pooled[side]["tokens_per_s"] == pytest.approx(rows[side]["tokens_per_s"])
     assert pooled[("torchtitan", 1)]["status"] == "skipped"
 
 
-def test_attention_switch_smoke_reports_both_backends(tmp_path: Path) -> None:
-    out = tmp_path / "switch.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "attention_switch.py"), "--smoke", "--json", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
+def check_attention_switch(figures: Any, result: Result, tmp_path: Path) -> None:
+    """`attention_switch.py --smoke` reports both backends."""
+    rows = figures["rows"]
     assert [(r["tokens"], r["segments"]) for r in rows] == [(256, 1), (256, 4), (256, 32)]
     assert all(r["loop_ms"] > 0 and r["dense_ms"] > 0 for r in rows)
     assert "per-segment" in result.stdout and "masked" in result.stdout
 
 
-def test_causal_split_smoke_times_both_sides(tmp_path: Path) -> None:
+def check_causal_split(figures: Any, result: Result, tmp_path: Path) -> None:
+    """`causal_split.py --smoke` times both sides."""
     from lmforge.model.cpu_attention import CPU_SPLIT_LENGTHS
 
-    out = tmp_path / "split.json"
-    script = ROOT / "benchmarks" / "causal_split.py"
-    cmd = [sys.executable, str(script), "--smoke", "--rows", "128", "--json", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = figures["rows"]
     assert [(r["length"], r["split"]) for r in rows] == [(CPU_SPLIT_LENGTHS[0] - 1, False), (512, True)]
     assert all(r["plain_ms"] > 0 and r["lmforge_ms"] > 0 and r["rows_128_ms"] > 0 for r in rows)
     assert "lmforge / plain" in result.stdout and "rows=128" in result.stdout
 
 
-def test_data_benchmark_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "data.json"
-    script = ROOT / "benchmarks" / "data.py"
-    cmd = [sys.executable, str(script), "--smoke", "--pool-dir", str(tmp_path / "pool"), "--json", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    figures = json.loads(out.read_text())
+def check_data(figures: Any, result: Result, tmp_path: Path) -> None:
     settings, loader, raw = figures["settings"], figures["loader"], figures["raw"]
     assert loader["tokens_per_s"] > 0
     assert all(raw[side]["tokens_per_s"] > 0 for side in ("uint16", "int64", "windows"))
@@ -120,13 +112,8 @@ def test_data_benchmark_smoke(tmp_path: Path) -> None:
     assert min(raw[side]["tokens"] for side in ("uint16", "int64", "windows")) >= loader["tokens"]
 
 
-def test_checkpoint_benchmark_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "checkpoint.json"
-    script = ROOT / "benchmarks" / "checkpoint.py"
-    cmd = [sys.executable, str(script), "--smoke", "--dir", str(tmp_path / "ckpt"), "--json", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    best = json.loads(out.read_text())["best"]
+def check_checkpoint(figures: Any, result: Result, tmp_path: Path) -> None:
+    best = figures["best"]
     assert best["sync"]["total_s"] > 0
     assert best["sync"]["bytes"] > 0 and best["async"]["bytes"] > 0 and best["load"]["bytes"] > 0
     # an async save blocks the caller for part of the time the checkpoint takes to commit, never longer
@@ -135,13 +122,7 @@ def test_checkpoint_benchmark_smoke(tmp_path: Path) -> None:
     assert best["load"]["verified"] is True
 
 
-def test_lr_transfer_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "lr_transfer.json"
-    script = ROOT / "benchmarks" / "lr_transfer.py"
-    cmd = [sys.executable, str(script), "--smoke", "--data-dir", str(tmp_path / "demo"), "--json", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    figures = json.loads(out.read_text())
+def check_lr_transfer(figures: Any, result: Result, tmp_path: Path) -> None:
     settings = figures["settings"]
     assert figures["runs"]
     assert all(math.isfinite(run["heldout_loss"]) and math.isfinite(run["train_loss"]) for run in figures["runs"])
@@ -162,24 +143,15 @@ def test_lr_transfer_smoke(tmp_path: Path) -> None:
     assert muon["adamw"]["reached"]  # the target is AdamW's own final loss plus a margin
 
 
-def test_logging_cost_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "logging.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "logging_cost.py"), "--smoke", "--json", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    figures = json.loads(out.read_text())
+def check_logging_cost(figures: Any, result: Result, tmp_path: Path) -> None:
     sides = {r["side"]: r for r in figures["runs"]}
     assert sides["off"]["monitors"] == []
     assert {"ConsoleMonitor", "JsonlMonitor", "WandbMonitor"} <= set(sides["on"]["monitors"])
     assert all(r["median_step_s"] > 0 for r in figures["runs"]) and figures["ratio"] > 0
 
 
-def test_gpu_benchmark_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "gpu.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--smoke", "--json", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
+def check_gpu(figures: Any, result: Result, tmp_path: Path) -> None:
+    rows = figures["rows"]
     assert [(r["size"], r["fp8"], r["experts"]) for r in rows] == [
         ("smoke", "none", 0), ("smoke+tensorwise", "tensorwise", 0), ("smoke-moe", "none", 8)
     ]  # fmt: skip
@@ -191,12 +163,7 @@ def test_gpu_benchmark_smoke(tmp_path: Path) -> None:
     assert rows[2]["params"] > rows[0]["params"]  # the experts are there
 
 
-def test_evals_benchmark_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "evals.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "evals.py"), "--smoke", "--json", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    figures = json.loads(out.read_text())
+def check_evals(figures: Any, result: Result, tmp_path: Path) -> None:
     seq_len, row_tokens = figures["settings"]["seq_len"], figures["settings"]["row_tokens"]
     for f in figures["sets"].values():
         assert f["validation"]["tokens_per_s"] > 0 and f["plain"]["tokens_per_s"] > 0 and f["ratio"] > 0
@@ -213,12 +180,7 @@ def test_evals_benchmark_smoke(tmp_path: Path) -> None:
     assert all(f["median_s"] > 0 for f in figures["heads"].values())
 
 
-def test_moe_benchmark_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "moe.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "moe.py"), "--smoke", "--json", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    figures = json.loads(out.read_text())
+def check_moe(figures: Any, result: Result, tmp_path: Path) -> None:
     sides = figures["sides"]
     assert set(sides) == {"dense", "moe_grouped_mm", "moe_loop"}
     assert all(f["tokens_per_s"] > 0 and f["median_step_s"] > 0 for f in sides.values())
@@ -236,38 +198,8 @@ def test_moe_benchmark_smoke(tmp_path: Path) -> None:
     assert figures["first_loss_diff_grouped_loop"] < 1e-4
 
 
-def test_a_failed_child_comes_back_as_an_error() -> None:
-    """`run_in_child` answers for a child that raised, died or ran too long, instead of waiting on it forever."""
-    # Run in a fresh interpreter: `benchmarks/` goes on its path there, not on the test session's.
-    script = textwrap.dedent(
-        f"""
-        import json, os, sys, time
-        sys.path.insert(0, {str(ROOT / "benchmarks")!r})
-        import common
-        results = {{
-            "ok": common.run_in_child(dict, (), "ok"),
-            "raised": common.run_in_child(int, ("x",), "raised"),
-            "died": common.run_in_child(os._exit, (3,), "died"),
-            "slow": common.run_in_child(time.sleep, (30,), "slow", timeout=1),
-        }}
-        print(json.dumps(results))
-        """
-    )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    results = json.loads(result.stdout.splitlines()[-1])
-    assert results["ok"] == {}  # an empty result is a result, not a failure
-    assert results["raised"]["error"].startswith("ValueError") and "traceback" in results["raised"]
-    assert results["died"]["error"] == "the process exited with code 3 without a result"
-    assert results["slow"]["error"] == "timed out after 1 s"
-
-
-def test_mix_smoke_writes_a_pool_in_the_asked_shares(tmp_path: Path) -> None:
-    out = tmp_path / "mix.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "mix.py"), "--smoke", "--json", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    figures = json.loads(out.read_text())
+def check_mix(figures: Any, result: Result, tmp_path: Path) -> None:
+    """`mix.py --smoke` writes a pool in the asked shares."""
     mix = figures["mix"]
     assert mix["mb_per_s"] > 0 and mix["bytes"] == 2 * mix["tokens"]  # uint16 tokens
     assert abs(mix["tokens"] - mix["tokens_requested"]) < 3 * 3000  # within a document per source
@@ -275,12 +207,8 @@ def test_mix_smoke_writes_a_pool_in_the_asked_shares(tmp_path: Path) -> None:
         assert mix["shares"][source["name"]] == pytest.approx(source["weight"], abs=0.002)
 
 
-def test_context_parallel_benchmark_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "cp.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "context_parallel.py"), "--smoke", "--json", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    rows = {(r["seq_len"], r["cp"]): r for r in json.loads(out.read_text())["rows"]}
+def check_context_parallel(figures: Any, result: Result, tmp_path: Path) -> None:
+    rows = {(r["seq_len"], r["cp"]): r for r in figures["rows"]}
     assert set(rows) == {(128, 1), (128, 2), (256, 1), (256, 2)}
     for seq_len in (128, 256):
         one, two = rows[(seq_len, 1)], rows[(seq_len, 2)]
@@ -289,12 +217,8 @@ def test_context_parallel_benchmark_smoke(tmp_path: Path) -> None:
     assert rows[(256, 2)]["gathered"] == 2 * rows[(128, 2)]["gathered"]  # keys and values of the whole row
 
 
-def test_expert_parallel_benchmark_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "ep.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "expert_parallel.py"), "--smoke", "--json", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    rows = {(r["experts"], r["ep"]): r for r in json.loads(out.read_text())["rows"]}
+def check_expert_parallel(figures: Any, result: Result, tmp_path: Path) -> None:
+    rows = {(r["experts"], r["ep"]): r for r in figures["rows"]}
     assert set(rows) == {(4, 1), (4, 2), (8, 1), (8, 2)}
     for experts in (4, 8):
         one, two = rows[(experts, 1)], rows[(experts, 2)]
@@ -309,15 +233,9 @@ def test_expert_parallel_benchmark_smoke(tmp_path: Path) -> None:
         assert two["gather_bytes"] < one["gather_bytes"]
 
 
-def test_moe_options_smoke_trains_the_baseline_and_two_options(tmp_path: Path) -> None:
+def check_moe_options(figures: Any, result: Result, tmp_path: Path) -> None:
     """`moe_options.py --smoke` trains the baseline, the headwise output gate and null experts on the demo data, and
     each option's parameters differ from the baseline's by what the option adds."""
-    out = tmp_path / "moe_options.json"
-    script = ROOT / "benchmarks" / "moe_options.py"
-    cmd = [sys.executable, str(script), "--smoke", "--data-dir", str(tmp_path / "demo"), "--json", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    figures = json.loads(out.read_text())
     s = figures["settings"]
     rows = {r["variant"]: r for r in figures["rows"]}
     assert list(rows) == ["baseline", "gate_headwise", "null_experts"] and figures["skipped"] == {}
@@ -348,3 +266,61 @@ def test_moe_options_smoke_trains_the_baseline_and_two_options(tmp_path: Path) -
     active = base["params"]["active_non_embedding"] + moe_blocks * nulls * h - fewer
     assert null["params"]["active_non_embedding"] == pytest.approx(active)
     assert "gate_headwise" in result.stdout and "| `null_experts` |" in result.stdout
+
+
+Check = Callable[[Any, Result, Path], None]
+
+# One row per script: its name under benchmarks/, the arguments after `--smoke` (`{tmp}` stands for the test's
+# tmp_path; run_benchmark appends `--json`), the timeout in seconds, and the check of what it wrote and printed.
+# An id is also a keyword, and tests/conftest.py skips items with the keyword `gpu` without CUDA: not `id="gpu"`.
+BENCHMARKS = [
+    pytest.param("overhead.py", ["--no-live-memory"], 240, check_overhead, id="overhead"),
+    pytest.param("peers.py", ["--profile", "{tmp}/profiles", "--quiet-wait", "0"], 240, check_peers, id="peers"),
+    pytest.param("attention_switch.py", [], 120, check_attention_switch, id="attention_switch"),
+    pytest.param("causal_split.py", ["--rows", "128"], 120, check_causal_split, id="causal_split"),
+    pytest.param("data.py", ["--pool-dir", "{tmp}/pool"], 120, check_data, id="data"),
+    pytest.param("checkpoint.py", ["--dir", "{tmp}/ckpt"], 120, check_checkpoint, id="checkpoint"),
+    pytest.param("lr_transfer.py", ["--data-dir", "{tmp}/demo"], 240, check_lr_transfer, id="lr_transfer"),
+    pytest.param("logging_cost.py", [], 240, check_logging_cost, id="logging_cost"),
+    pytest.param("gpu.py", [], 240, check_gpu, id="gpu_benchmark"),
+    pytest.param("evals.py", [], 180, check_evals, id="evals"),
+    pytest.param("moe.py", [], 180, check_moe, id="moe"),
+    pytest.param("mix.py", [], 120, check_mix, id="mix"),
+    pytest.param("context_parallel.py", [], 180, check_context_parallel, id="context_parallel"),
+    pytest.param("expert_parallel.py", [], 300, check_expert_parallel, id="expert_parallel"),
+    pytest.param("moe_options.py", ["--data-dir", "{tmp}/demo"], 240, check_moe_options, id="moe_options"),
+]
+
+
+@pytest.mark.parametrize(("script", "args", "timeout", "check"), BENCHMARKS)
+def test_benchmark_smoke(tmp_path: Path, script: str, args: list[str], timeout: float, check: Check) -> None:
+    """`<script> --smoke` exits 0 and writes figures that pass its row's check."""
+    args = [arg.format(tmp=tmp_path) for arg in args]
+    figures, result = run_benchmark(tmp_path, script, "--smoke", *args, timeout=timeout)
+    check(figures, result, tmp_path)
+
+
+def test_a_failed_child_comes_back_as_an_error() -> None:
+    """`run_in_child` answers for a child that raised, died or ran too long, instead of waiting on it forever."""
+    # Run in a fresh interpreter: `benchmarks/` goes on its path there, not on the test session's.
+    script = textwrap.dedent(
+        f"""
+        import json, os, sys, time
+        sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+        import common
+        results = {{
+            "ok": common.run_in_child(dict, (), "ok"),
+            "raised": common.run_in_child(int, ("x",), "raised"),
+            "died": common.run_in_child(os._exit, (3,), "died"),
+            "slow": common.run_in_child(time.sleep, (30,), "slow", timeout=1),
+        }}
+        print(json.dumps(results))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = json.loads(result.stdout.splitlines()[-1])
+    assert results["ok"] == {}  # an empty result is a result, not a failure
+    assert results["raised"]["error"].startswith("ValueError") and "traceback" in results["raised"]
+    assert results["died"]["error"] == "the process exited with code 3 without a result"
+    assert results["slow"]["error"] == "timed out after 1 s"

@@ -183,7 +183,7 @@ def test_missing_sbatch_is_named(
 def test_sbatch_refusal_shows_its_message(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A stand-in sbatch that refuses like Slurm does; tests/integration/test_slurm.py has the real one.
+    # A stand-in sbatch that refuses like Slurm does; tests/integration/test_multinode.py submits to a real Slurm.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     sbatch = bin_dir / "sbatch"
