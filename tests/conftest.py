@@ -1,6 +1,11 @@
-"""Shared test helpers: tiny architectures, CPU-thread pinning, and skipping `gpu` tests without CUDA."""
+"""Shared test helpers: tiny architectures, CPU-thread pinning, skipping `gpu` tests without CUDA, and optional
+test dependencies that CI requires."""
 
 from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
 
 import pytest
 import tomli_w
@@ -17,6 +22,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def require(module: str) -> ModuleType:
+    """Import a dev dependency a test needs (transformers, wandb, lm_eval, torchao). Outside CI a missing or broken
+    one skips the test; under CI (`CI=true`), where `.[dev]` installs every one, the import error fails it instead,
+    so a dependency that stopped importing (a torchao built for another torch) cannot turn tests into skips."""
+    if os.environ.get("CI") == "true":
+        return importlib.import_module(module)
+    return pytest.importorskip(module, exc_type=ImportError)
 
 
 def tiny_llama(**overrides: object) -> LlamaArch:

@@ -19,10 +19,10 @@ from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from lmforge.model.llama import CausalLM
 from tests.chat import WORDS, chat_tokenizer, write_jsonl
-from tests.conftest import tiny_llama
+from tests.conftest import require, tiny_llama
 from tests.spawn import free_port, join_as_rank, run_ranks
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 CPU = torch.device("cpu")
 VOCAB = 384  # the test tokenizer's 331 ids, rounded up to 128

@@ -9,6 +9,7 @@ import pytest
 from lmforge.monitor import read_metrics
 from lmforge.monitor.wandb import EVAL_RUN_ID_FILE
 from tests.chat import write_jsonl
+from tests.conftest import require
 from tests.integration.runner import losses, run_cli, write_config
 from tests.shards import random_docs, word_tokenizer, write_shard
 from tests.unit.test_wandb import logged_runs, stored_id
@@ -69,7 +70,7 @@ def test_worker_refuses_a_run_without_val_sets(tmp_path: Path) -> None:
 def test_worker_logs_to_a_wandb_run_beside_the_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With `[wandb]` offline, the worker's metrics reach a W&B run of its own (`<name>-eval`, job type eval) at
     the snapshots' steps, and its config names the training's W&B run."""
-    pytest.importorskip("wandb")
+    require("wandb")
     for name, value in {"WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true",
                         "WANDB__DISABLE_STATS": "true", "WANDB__DISABLE_MACHINE_INFO": "true",
                         "WANDB__DISABLE_META": "true", "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"),

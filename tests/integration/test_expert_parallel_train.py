@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from lmforge.hf.folder import load_pretrained
 from lmforge.monitor import read_metrics
+from tests.conftest import require
 from tests.integration.runner import curve, run_cli, train_run
 from tests.integration.test_moe_train import RUN
 
@@ -65,7 +66,7 @@ def test_ep_trains_like_one_process_resumes_across_ep_and_exports_the_same(tmp_p
     mine = dict(got.state_dict())
     for name, tensor in want.state_dict().items():
         assert torch.allclose(mine[name], tensor, rtol=1e-4, atol=1e-5), name
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     folder = tmp_path / "hf"
     exported = run_cli(["export", str(runs["ep2"]), "--output", str(folder), "--dtype", "float32"])
     assert exported.returncode == 0, exported.stderr[-2000:]

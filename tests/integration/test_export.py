@@ -10,10 +10,11 @@ import torch
 from safetensors.torch import load_file
 
 from lmforge.hf.folder import load_pretrained
+from tests.conftest import require
 from tests.integration.runner import run_cli, write_config
 from tests.shards import word_tokenizer
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 pytestmark = pytest.mark.slow
 
 

@@ -23,10 +23,11 @@ from lmforge.data.tokenizer import load_tokenizer
 from lmforge.monitor import read_metrics
 from lmforge.prep.tokenizer_train import save_tokenizer_folder, train_bpe
 from tests.chat import write_jsonl
+from tests.conftest import require
 from tests.integration.runner import TINY_ARCH, env_one_thread, run_cli
 from tests.shards import write_shard
 
-pytest.importorskip("lm_eval")
+require("lm_eval")
 pytestmark = pytest.mark.slow
 
 SENTENCE = (

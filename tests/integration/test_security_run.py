@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import require
 from tests.integration.runner import run_cli, write_config
 
 pytestmark = pytest.mark.slow
@@ -29,7 +30,7 @@ def _files_holding(root: Path, needles: list[bytes]) -> list[str]:
 
 @pytest.mark.timeout(300)
 def test_secrets_stay_out_of_the_run_and_its_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("wandb")
+    require("wandb")
     for name, value in SECRETS.items():
         monkeypatch.setenv(name, value)
     # Every folder W&B and its service may write to, inside tmp_path so the search below sees all of it.

@@ -12,6 +12,7 @@ from lmforge.data.tokenizer import load_tokenizer
 from lmforge.hf.folder import load_pretrained
 from lmforge.monitor import read_metrics
 from tests.chat import chat_tokenizer, conversation, write_jsonl
+from tests.conftest import require
 from tests.integration.runner import TINY_ARCH, losses, run_cli
 from tests.shards import random_docs, write_shard
 
@@ -81,7 +82,7 @@ def sft_config(tmp: Path, name: str, steps: int) -> Path:
 
 
 def test_pretrain_export_sft_export_loads_in_transformers(pretrained: Path) -> None:
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     result = run_cli(["train", "@", str(sft_config(pretrained, "sft", 6))])
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(pretrained / "sft" / "metrics.jsonl")

@@ -26,6 +26,7 @@ from lmforge.eval.harness import (
 from lmforge.eval.sets import EvalSetError, Item, fit_requests, set_metrics
 from lmforge.prep.tokenizer_train import BOS_TOKEN
 from tests.chat import chat_tokenizer
+from tests.conftest import require
 from tests.shards import word_tokenizer
 
 PAIRS = [
@@ -63,8 +64,8 @@ def tok_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 def _harness_lm(folder: Path, max_length: int) -> Any:
     """lm-evaluation-harness's HF model class without a model: its tokenization runs as it is, and the token
     requests it would score are recorded instead."""
-    transformers = pytest.importorskip("transformers")
-    huggingface = pytest.importorskip("lm_eval.models.huggingface")
+    transformers = require("transformers")
+    huggingface = require("lm_eval.models.huggingface")
     from lm_eval.api.model import CacheHook
 
     lm = huggingface.HFLM.__new__(huggingface.HFLM)
@@ -180,7 +181,7 @@ def test_rolling_metrics_are_the_harness_aggregates(tmp_path: Path) -> None:
 
 
 def test_harness_aggregates_match_lm_eval_formulas(tmp_path: Path) -> None:
-    metrics_mod = pytest.importorskip("lm_eval.api.metrics")
+    metrics_mod = require("lm_eval.api.metrics")
     tok = load_tokenizer(chat_tokenizer(tmp_path / "bpe"))
     texts = ["a b c", "d e", "fgh ij k"]
     requests = rolling_requests(texts, tok, 2)

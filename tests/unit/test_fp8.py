@@ -17,12 +17,12 @@ from lmforge.model import build_model
 from lmforge.model.fp8 import apply_fp8, check_fp8_device, describe_fp8, fp8_layers
 from lmforge.parallel.process_group import DistContext, init_distributed
 from lmforge.train.trainer import Trainer
-from tests.conftest import tiny_llama
+from tests.conftest import require, tiny_llama
 from tests.integration.runner import losses, run_cli, write_config
 from tests.unit.test_host_sync import _config
 from tests.unit.test_moe import tiny_glm
 
-pytest.importorskip("torchao.float8", exc_type=ImportError)  # also skips a torchao built for another torch
+require("torchao.float8")  # outside CI, skips where torchao is missing or built for another torch
 
 CPU = torch.device("cpu")
 STEPS = 20

@@ -12,7 +12,7 @@ from lmforge.model.generate import KVCache, TextStream, forward_with_cache, gene
 from lmforge.model.init import init_weights
 from lmforge.model.llama import CausalLM
 from lmforge.prep.tokenizer_train import train_bpe
-from tests.conftest import tiny_llama, tiny_qwen3
+from tests.conftest import require, tiny_llama, tiny_qwen3
 from tests.unit.test_moe import tiny_glm
 
 CPU = torch.device("cpu")
@@ -60,7 +60,7 @@ def test_cache_overflow_is_a_clear_error() -> None:
 
 
 def _hf_greedy(model: CausalLM, prompt: torch.Tensor, n: int) -> list[int]:
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     from tests.unit.test_model import _hf
 
     hf = _hf(model)

@@ -23,9 +23,9 @@ from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from lmforge.model.llama import CausalLM
 from lmforge.parallel.process_group import DistContext, init_distributed
-from tests.conftest import tiny_llama, tiny_qwen3
+from tests.conftest import require, tiny_llama, tiny_qwen3
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 CPU = torch.device("cpu")
 VOCAB = 256

@@ -9,9 +9,9 @@ from lmforge.data.batch import positions_from_doc_lens
 from lmforge.model import build_model
 from lmforge.model.init import init_role, init_weights
 from lmforge.model.llama import CausalLM
-from tests.conftest import tiny_llama, tiny_qwen3
+from tests.conftest import require, tiny_llama, tiny_qwen3
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 CPU = torch.device("cpu")
 VOCAB = 256

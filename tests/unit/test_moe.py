@@ -18,6 +18,7 @@ from lmforge.model.llama import MLP, CausalLM
 from lmforge.model.moe import MoE
 from lmforge.model.roles import DECAYED_ROLES, MATRIX_ROLES, param_role
 from lmforge.model.rotary import rotary_cos_sin
+from tests.conftest import require
 
 CPU = torch.device("cpu")
 VOCAB = 256
@@ -211,7 +212,7 @@ def _model(arch: Glm4MoeArch | Qwen3MoeArch, seed: int = 3) -> CausalLM:
 
 
 def test_decoder_layout_and_names_match_transformers() -> None:
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     glm = _model(tiny_glm())
     assert isinstance(glm.model.layers[0].mlp, MLP)
     assert sorted(glm.moe_layers()) == [1, 2]

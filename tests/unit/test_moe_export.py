@@ -20,10 +20,11 @@ from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from lmforge.model.llama import CausalLM
 from lmforge.parallel.process_group import DistContext, init_distributed
+from tests.conftest import require
 from tests.unit.test_hf import write_hf_config
 from tests.unit.test_moe import tiny_glm, tiny_qwen3_moe
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 CPU = torch.device("cpu")
 VOCAB = 256

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from lmforge.data.records import Record, RecordError, read_records, record_files
+from tests.conftest import require
 
 ROWS: list[dict[str, Any]] = [
     {"id": i, "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
@@ -104,7 +105,7 @@ def test_several_paths_keep_their_order(tmp_path: Path) -> None:
 
 
 def test_save_to_disk_folder_with_shards(tmp_path: Path) -> None:
-    datasets = pytest.importorskip("datasets")
+    datasets = require("datasets")
     rows = [{**r, "score": r["id"] / 2, "note": None if r["id"] % 2 else "even"} for r in ROWS]
     folder = tmp_path / "saved"
     datasets.Dataset.from_list(rows).save_to_disk(str(folder), num_shards=2)
@@ -135,7 +136,7 @@ def test_save_to_disk_follows_state_json_order(tmp_path: Path) -> None:
 
 
 def test_dataset_dict_folder_names_splits(tmp_path: Path) -> None:
-    datasets = pytest.importorskip("datasets")
+    datasets = require("datasets")
     part = datasets.Dataset.from_list(ROWS)
     folder = tmp_path / "dd"
     datasets.DatasetDict(train=part, validation=part).save_to_disk(str(folder))

@@ -17,7 +17,7 @@ from lmforge.data.tokenizer import TokenizerInfo, load_tokenizer
 from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from tests.chat import chat_tokenizer, conversation, write_jsonl
-from tests.conftest import tiny_llama
+from tests.conftest import require, tiny_llama
 from tests.shards import word_tokenizer
 
 TURN = re.compile(r"(<\|im_start\|>(\w+)\n)(.*?<\|im_end\|>\n)", re.S)
@@ -70,7 +70,7 @@ def test_loss_mask_matches_the_turn_markers(tok: TokenizerInfo, roles: set[str])
 
 
 def test_render_matches_transformers(tok: TokenizerInfo) -> None:
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(str(tok.path.parent))
     template = ChatTemplate.of(tok)
     messages = conversation(3, turns=2, system=True, tool=True)
@@ -241,7 +241,7 @@ def test_parquet_and_saved_datasets_give_the_same_samples_as_jsonl(tok: Tokenize
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    datasets = pytest.importorskip("datasets")
+    datasets = require("datasets")
     rows = [{"messages": conversation(i, turns=2, system=i % 2 == 0)} for i in range(10)]
     rows += [{"prompt": "why do you ask", "completion": f" the king {i}"} for i in range(3)]
     c = cfg(["-"])
