@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from lmforge.monitor import read_metrics
+from tests.conftest import require
 from tests.integration.runner import losses, run_cli, write_config
 
 pytestmark = pytest.mark.slow
@@ -88,7 +89,7 @@ def test_two_ranks_match_one_rank(tmp_path: Path, defer: bool) -> None:
 
 
 def test_wandb_offline_run_and_rank_logs(tmp_path: Path) -> None:
-    pytest.importorskip("wandb")
+    require("wandb")
     cfg = write_config(tmp_path, "run", max_steps=3)
     flags = ["--wandb.project", "lmforge-test", "--wandb.mode", "offline"]
     result = run_cli(["train", "@", str(cfg), *flags], nproc=2)
@@ -103,9 +104,14 @@ def test_wandb_offline_run_and_rank_logs(tmp_path: Path) -> None:
 
 def test_chunked_loss_trains_like_the_full_logits_on_two_ranks(tmp_path: Path) -> None:
     cfg = write_config(tmp_path, "base", max_steps=4)
-    plain = run_cli(["train", "@", str(cfg), "--output-dir", str(tmp_path / "plain")], nproc=2)
+    # loss_chunk_tokens = 0 is the full-logits path (`auto` is chunked on the CPU too).
+    plain = run_cli(["train", "@", str(cfg), "--output-dir", str(tmp_path / "plain"), "--model.loss-chunk-tokens",
+                     "0"], nproc=2)  # fmt: skip
     chunked = run_cli(["train", "@", str(cfg), "--output-dir", str(tmp_path / "chunked"),
                        "--model.loss-chunk-tokens", "48"], nproc=2)  # fmt: skip
     assert plain.returncode == 0 and chunked.returncode == 0, chunked.stderr[-3000:]
     a, b = losses(tmp_path / "plain"), losses(tmp_path / "chunked")
     assert len(a) == 4 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
+    # Each side took the path it names: the rank logs say which.
+    for run, path in (("plain", "full logits"), ("chunked", "chunks of 48")):
+        assert path in (tmp_path / run / "logs" / "rank_0.log").read_text(), run

@@ -9,15 +9,15 @@ from pathlib import Path
 from lmforge.checkpoint.layout import CHECKPOINTS, CheckpointError, find_checkpoint, read_trainer_state, write_atomic
 from lmforge.config.loader import ConfigError, dump_toml
 from lmforge.config.train import TrainConfig
+from lmforge.monitor.jsonl import read_metrics
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
     # A resumed run rewrites the steps after its checkpoint; drop their old records so the file is one curve.
     if not path.exists():
         return
-    keep = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
-            if line.strip() and json.loads(line)["step"] <= last_step]  # fmt: skip
-    write_atomic(path, "".join(keep))
+    records = read_metrics(path)  # a torn last line (a write cut off) is left out
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in records if r["step"] <= last_step))
 
 
 def prepare_output_dir(config: TrainConfig, overwrite: bool) -> Path | None:

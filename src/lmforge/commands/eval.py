@@ -37,5 +37,10 @@ def main(argv: list[str]) -> int:
         return fail("eval", str(e))
     if not (config.val.sets or config.val.data):
         return fail("eval", f"{args.run}/config.toml has no [val] sets to score")
-    run_worker(args.run, config, args.poll_seconds, args.latest_only, args.limit)
+    from lmforge.monitor.base import RecordError
+
+    try:
+        run_worker(args.run, config, args.poll_seconds, args.latest_only, args.limit)
+    except RecordError as e:  # the run's metrics.jsonl could not be written: stop instead of scoring unrecorded
+        return fail("eval", str(e))
     return 0

@@ -63,6 +63,7 @@ def main(argv: list[str]) -> int:
     from lmforge.config.hf_config import HFModelError
     from lmforge.data.stream import DataError
     from lmforge.eval.sets import EvalSetError
+    from lmforge.monitor.base import RecordError
     from lmforge.parallel.heartbeat import Heartbeat, describe_lost
     from lmforge.parallel.process_group import init_distributed, shutdown_distributed
     from lmforge.train.trainer import Trainer
@@ -74,7 +75,7 @@ def main(argv: list[str]) -> int:
         try:
             resume_from = prepare_run(config, overwrite)
             trainer = Trainer(config, ctx, resume_from=resume_from)
-        except (ConfigError, CheckpointError, HFModelError, EvalSetError, *DataError) as e:
+        except (ConfigError, CheckpointError, HFModelError, EvalSetError, RecordError, *DataError) as e:
             return fail("train", str(e))
         if resume_from is not None and trainer.step >= config.max_steps:
             # A finished run resumed: say so instead of exiting silently.
@@ -87,7 +88,7 @@ def main(argv: list[str]) -> int:
             return 0
         try:
             trainer.train()
-        except CheckpointError as e:  # a failed save (a full disk): the rank log has the traceback
+        except (CheckpointError, RecordError) as e:  # a failed save or record (a full disk): one line, exit 2
             return fail("train", str(e))
         except Exception as e:
             silent = heartbeat.silent_ranks() if heartbeat is not None else []

@@ -1,7 +1,7 @@
-"""Where metrics go: the console, metrics.jsonl, and (later) W&B."""
+"""Where metrics go: the console, metrics.jsonl (the run's record), and W&B."""
 
-from lmforge.monitor.base import Monitor, Monitors
+from lmforge.monitor.base import Monitor, Monitors, RecordError
 from lmforge.monitor.console import ConsoleMonitor
 from lmforge.monitor.jsonl import JsonlMonitor, read_metrics
 
-__all__ = ["ConsoleMonitor", "JsonlMonitor", "Monitor", "Monitors", "read_metrics"]
+__all__ = ["ConsoleMonitor", "JsonlMonitor", "Monitor", "Monitors", "RecordError", "read_metrics"]

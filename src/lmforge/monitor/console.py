@@ -27,11 +27,16 @@ def format_line(step: int, max_steps: int, m: dict[str, float]) -> str:
         for key, value in m.items()
         if key == "val/loss" or (key.startswith("val/") and "/loss@" in key)
     ]
+    parts += [f"{key.rsplit('/', 1)[1].upper()} FAILED x{value:.0f}" for key, value in m.items()
+              if key.startswith("monitor/failures/") and value]  # fmt: skip
     return " | ".join(parts)
 
 
 class ConsoleMonitor:
     """Progress bar (step, loss, lr, grad norm, tokens/s, ETA) plus a printed line per logged step."""
+
+    name = "console"
+    """Name in `monitor/failures/<name>`."""
 
     def __init__(self, max_steps: int, start_step: int = 0, console: Console | None = None) -> None:
         self.console = console or Console(stderr=False)

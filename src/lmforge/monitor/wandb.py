@@ -50,11 +50,18 @@ def _write_atomic(path: Path, text: str) -> None:
 class WandbMonitor:
     """Logs metrics to a W&B run; a no-op unless `cfg.enabled` (so `wandb` is imported only when used).
 
+    Not part of the run's record: when a call fails, training goes on and the failures are counted in
+    `monitor/failures/wandb` (`lmforge.monitor.base`). W&B writes every logged step to its local run files first
+    (`<run_dir>/wandb/`, or `[wandb] dir`), so what it could not send is kept there for `wandb sync`.
+
     The run id is kept in `<run_dir>/wandb_run_id`: a run resumed from a checkpoint (`start_step > 0`) continues
     that W&B run, while a run that starts at step 0 makes a new one (and replaces a leftover id, e.g. after
     `--overwrite`). Online, W&B ignores steps below the last step the run holds, so after a resume the steps between
     the checkpoint and the previous attempt's last logged step keep the previous attempt's values in W&B.
     """
+
+    name = "wandb"
+    """Name in `monitor/failures/<name>`."""
 
     def __init__(self, cfg: WandbConfig, run_dir: Path, config: dict[str, Any], start_step: int = 0,
                  job: str = "train") -> None:  # fmt: skip

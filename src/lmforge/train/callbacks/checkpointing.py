@@ -36,8 +36,10 @@ class Checkpointing(Callback):
         return self.cfg.interval is not None and step % self.cfg.interval == 0
 
     def on_step_start(self, trainer: Trainer, micro_batches: Sequence[MicroBatch]) -> None:
-        """Commit the checkpoint the previous step wrote, now that its metrics are logged."""
-        self.checkpointer.poll()
+        """Commit the checkpoint the previous step wrote, now that its metrics are logged; not when they could not
+        be (the run stops in this step, and a resume from `latest` replays that step and logs it)."""
+        if not trainer.record_failed():
+            self.checkpointer.poll()
 
     def after_optimizer_step(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         """Save when due or stopping (the blocked time goes to `time/save_ckpt`), else commit a finished save. The
