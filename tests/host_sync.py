@@ -142,6 +142,13 @@ class _Function(TorchFunctionMode):
             to_host = name == "to" and "cpu" in (*args[1:], kwargs.get("device")) and not kwargs.get("non_blocking")
             if name in _SYNC_METHODS or to_host:
                 self.owner.record(f"Tensor.{name}")
+                if name == "cpu" or to_host:
+                    # The host copy is a host tensor: reading it again (`.numpy()`) is free. On a CPU run the
+                    # method returns the tensor itself, so a copy stands for it.
+                    out = func(*args, **kwargs)
+                    out = out.clone() if out is self_tensor else out
+                    self.owner.unmark(out)
+                    return out
         elif self_tensor is not None and _upload_target(name, args, kwargs):
             out = func(*args, **kwargs)
             # On a CPU run `.to(device)` returns the same tensor; a copy keeps the host original a host tensor.
@@ -172,6 +179,10 @@ class HostSyncDetector:
                 key = id(x)
                 if not self.is_device(x):
                     self._device[key] = weakref.ref(x, lambda _ref, key=key: self._device.pop(key, None))
+
+    def unmark(self, t: Tensor) -> None:
+        """Say that `t` lives on the host."""
+        self._device.pop(id(t), None)
 
     def is_device(self, t: Tensor) -> bool:
         """Whether `t` is a device tensor (marked, or computed from one)."""

@@ -147,8 +147,12 @@ class Router(nn.Module):
 
     @torch.no_grad()
     def set_bias(self, bias: Tensor) -> None:
-        """Set the selection bias (the same values on every rank)."""
-        self.e_score_correction_bias.copy_(bias)
+        """Set the selection bias (the same values on every rank). A host tensor goes to a CUDA device from
+        page-locked memory, asynchronously: a copy from pageable memory would make the host wait for the device."""
+        target = self.e_score_correction_bias
+        if bias.device.type == "cpu" and target.device.type == "cuda":
+            bias = bias.pin_memory().to(target.device, non_blocking=True)
+        target.copy_(bias)
 
     @torch.no_grad()
     def reset_bias(self) -> None:

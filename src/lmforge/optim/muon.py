@@ -172,12 +172,14 @@ class Muon(torch.optim.Optimizer):
     All constructor arguments are group hyperparameters; a param group may override any of them.
 
     Sharded parameters: on a mesh of W > 1 ranks, the step's sharded matrices (in param-group order, then parameter
-    order, which every rank shares) are dealt round-robin, matrix i to rank i % W. First one small `all_gather` shares
-    how many rows of each matrix every rank holds (uneven splits, such as FSDP2's `torch.chunk` split that leaves the
-    last ranks fewer or zero rows, are fine) and which have a gradient: matrices without a gradient on every rank are
-    skipped (as torch skips them, e.g. frozen ones), and a gradient on some ranks only raises a RuntimeError on every
-    rank instead of hanging. Then one `all_to_all_single` sends each owner every rank's rows of `u` (one flat buffer
-    for all matrices; exact sizes, no padding); the owner runs Newton–Schulz on the whole matrix, so each matrix is
+    order, which every rank shares) are dealt round-robin, matrix i to rank i % W. A table of how many rows of each
+    matrix every rank holds (uneven splits, such as FSDP2's `torch.chunk` split that leaves the last ranks fewer or
+    zero rows, are fine) and which have a gradient comes from one small `all_gather`, at the first step and again
+    only when this rank's own rows or gradients change (never in a steady run: the step reads nothing back then):
+    matrices without a gradient on every rank are skipped (as torch skips them, e.g. frozen ones), and a gradient on
+    some ranks only raises a RuntimeError on every rank instead of hanging. Then one `all_to_all_single` sends each
+    owner every rank's rows of `u` (one flat buffer for all matrices; exact sizes, no padding); the owner runs
+    Newton–Schulz on the whole matrix, so each matrix is
     orthogonalized exactly once in the job; a second `all_to_all_single` sends every rank its rows of `O` back, and
     each rank applies its own rows. The exchange buffers hold about one sharded copy of the matrices per rank.
     Plain tensors, meshes of one rank and replicated DTensors take the local path, with no collectives. The
@@ -215,6 +217,8 @@ class Muon(torch.optim.Optimizer):
             "adjust_lr": adjust_lr,
         }
         super().__init__(params, defaults)
+        self._tables: dict[dist.ProcessGroup, list[list[int]]] = {}
+        """Each process group's row table (`_row_table`), kept between steps."""
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group as torch does, then check its hyperparameters and that every parameter is a 2-D matrix or a
@@ -263,18 +267,30 @@ class Muon(torch.optim.Optimizer):
         buf.lerp_(grad, 1 - momentum)
         return grad.lerp(buf, momentum) if group["nesterov"] else buf
 
+    def _row_table(self, pg: dist.ProcessGroup, params: list[tuple[Tensor, dict[str, Any]]], world: int,
+                   device: torch.device) -> list[list[int]]:  # fmt: skip
+        """How many rows of each matrix every rank of `pg` holds, -1 where it has no gradient, so that all ranks
+        take the same decisions and size the exchanges alike. One small all_gather (and its host read) makes the
+        table; it is kept and used again while this rank's own column stays the same, which in a run is every step
+        after the first: the rows are fixed by the sharding, and FSDP2 gives a sharded parameter its gradient on
+        every rank of its mesh together."""
+        mine = [_local(p).shape[0] if p.grad is not None else -1 for p, _ in params]
+        kept = self._tables.get(pg)
+        if kept is not None and kept[dist.get_rank(pg)] == mine:
+            return kept
+        table = [torch.empty(len(params), dtype=torch.int64, device=device) for _ in range(world)]
+        dist.all_gather(table, torch.tensor(mine, dtype=torch.int64, device=device), group=pg)
+        rows = [t.tolist() for t in table]
+        self._tables[pg] = rows
+        return rows
+
     def _step_sharded(self, pg: dist.ProcessGroup, params: list[tuple[Tensor, dict[str, Any]]]) -> None:
         """Step the matrices sharded over `pg`: each is orthogonalized whole by its owner and its rows sent back."""
         world = dist.get_world_size(pg)
         rank = dist.get_rank(pg)
         device = _local(params[0][0]).device
 
-        # one small all_gather tells every rank which params have a gradient on every rank and how many rows each
-        # rank holds (-1: no gradient), so all ranks take the same decisions and size the exchanges alike
-        mine_rows = [_local(p).shape[0] if p.grad is not None else -1 for p, _ in params]
-        table = [torch.empty(len(params), dtype=torch.int64, device=device) for _ in range(world)]
-        dist.all_gather(table, torch.tensor(mine_rows, dtype=torch.int64, device=device), group=pg)
-        rows_by_rank = [t.tolist() for t in table]  # [rank][param]
+        rows_by_rank = self._row_table(pg, params, world, device)  # [rank][param]
         keep = []
         for j, (p, _) in enumerate(params):
             held = [rows_by_rank[r][j] for r in range(world)]

@@ -16,6 +16,10 @@ to the step's single SUM all-reduce, so the counts here are the step's global on
   experts `moe/null_share` and `moe/real_k` (the expert-load statistics cover the real experts), and the per-rank
   load `moe/rank_load/{mean,max}` (token copies each rank's experts computed: under expert parallelism, what a rank
   received from its group).
+
+Nothing here reads the device inside a step: the counts arrive on the host with the step's reduction, the rules
+move a host copy of the biases (taken from the device once, when training starts) and upload it, and the metrics
+come from that copy.
 """
 
 from __future__ import annotations
@@ -164,6 +168,9 @@ class MoEBalancer(Callback):
         self.freeze_step = None if cfg.freeze_at is None else math.floor(cfg.freeze_at * max_steps)
         self.balanced = [b for b in self.blocks if b.spec.selection_bias]
         self._last_sign: Tensor | None = None
+        self._bias: Tensor | None = None
+        """Host copy of the balanced blocks' selection biases [blocks, choices], in the buffers' dtype: the rules
+        move it and upload it, so a step never reads the biases back (`read_biases`)."""
         self.quantile_bins = cfg.quantile_bins
         self.quantile_rate = cfg.quantile_rate
         self.quantile = cfg.rule == "quantile" and self.coeff > 0 and bool(self.balanced)
@@ -174,9 +181,20 @@ class MoEBalancer(Callback):
         self.seq_aux_coeff = cfg.seq_aux_coeff
         for block in self.blocks:
             block.seq_aux = self.seq_aux_coeff > 0
-        self._segments: Tensor | None = None
+        self._local_segments: Tensor | None = None
 
     name = "moe_balance"
+
+    def read_biases(self) -> Tensor:
+        """Take the host copy of the biases from the device (once, when training starts: after a resume has
+        loaded them); returns it."""
+        self._bias = torch.stack([b.gate.e_score_correction_bias.detach() for b in self.balanced]).cpu()
+        return self._bias
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        """Read the biases the run starts from (see `read_biases`)."""
+        if self.balanced:
+            self.read_biases()
 
     def active(self, step: int) -> bool:
         """Whether step `step` (1-based) moves the biases: balancing on and not yet frozen."""
@@ -197,10 +215,12 @@ class MoEBalancer(Callback):
                 block.gate.record_choices = False
         if self.seq_aux_coeff > 0:
             device = self.blocks[0].aux_scale.device
-            segments = torch.tensor(float(sum(len(mb.doc_lens) for mb in micro_batches)), device=device)
+            local = float(sum(len(mb.doc_lens) for mb in micro_batches))
+            segments = torch.tensor(local, device=device)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(segments)
-            self._segments = segments
+            # The global count again with the step's reduction, on the host, for `moe/seq_aux_loss`.
+            self._local_segments = torch.tensor(local, device=device)
             for block in self.blocks:
                 block.aux_scale.copy_(self.seq_aux_coeff / segments)
 
@@ -218,15 +238,19 @@ class MoEBalancer(Callback):
             "moe/seq_aux": torch.stack([b.seq_aux_sum for b in self.blocks]),
             "moe/rank_load": per_rank,
         }
+        if self._local_segments is not None:
+            sums["moe/segments"] = self._local_segments
         if self._recording:
             # [balanced blocks, choices, bins]: under context parallelism each rank holds its own tokens' values.
             sums["moe/choice_hist"] = torch.stack([b.gate.choice_histogram for b in self.balanced])
         return sums
 
     def update(self, step: int, counts: np.ndarray, confidence_sums: np.ndarray, seq_aux_sums: np.ndarray | None = None,
-               rank_load: np.ndarray | None = None, hist: np.ndarray | None = None) -> dict[str, float]:  # fmt: skip
+               rank_load: np.ndarray | None = None, hist: np.ndarray | None = None,
+               segments: float | None = None) -> dict[str, float]:  # fmt: skip
         """After step `step`'s reduction: move the biases (unless off or frozen) and return the step's metrics;
-        `hist` holds the quantile rule's global histograms [balanced blocks, choices, bins] of the step."""
+        `hist` holds the quantile rule's global histograms [balanced blocks, choices, bins] of the step, `segments`
+        the step's segments over all ranks (with the sequence-wise loss)."""
         real = self.num_experts
         nulls = counts[:, real:] if self.null_experts else None
         metrics = load_metrics(counts[:, :real], confidence_sums, self.top_k, self.layers, nulls)
@@ -234,9 +258,9 @@ class MoEBalancer(Callback):
             # Copies computed per rank and MoE layer: their mean, and the most any rank computed in one layer.
             metrics["moe/rank_load/mean"] = float(np.mean(rank_load))
             metrics["moe/rank_load/max"] = float(np.max(rank_load))
-        if self._segments is not None and seq_aux_sums is not None:
+        if segments and seq_aux_sums is not None:
             # The objective's term: coeff x the mean over segments of each block's loss, summed over blocks.
-            metrics["moe/seq_aux_loss"] = self.seq_aux_coeff * float(np.sum(seq_aux_sums)) / float(self._segments)
+            metrics["moe/seq_aux_loss"] = self.seq_aux_coeff * float(np.sum(seq_aux_sums)) / segments
         if not self.balanced:
             return metrics
         if self.quantile and hist is not None:
@@ -244,11 +268,7 @@ class MoEBalancer(Callback):
             edge = hist[:, :, [0, -1]].sum(axis=(1, 2)) / hist.sum(axis=(1, 2))
             metrics["moe/quantile/edge_share"] = float(np.mean(edge))
         elif not self.quantile and self.active(step):
-            signs = []
-            for row, block in enumerate(self.blocks):
-                if block.spec.selection_bias:
-                    delta = block.gate.update_selection_bias(torch.from_numpy(counts[row]), self.coeff)
-                    signs.append(torch.sign(delta).cpu())
+            signs = [torch.sign(d) for d in self._sign_update(counts)]
         else:
             signs = []
         if signs:
@@ -256,22 +276,40 @@ class MoEBalancer(Callback):
             flips = 0.0 if self._last_sign is None else float((sign * self._last_sign < 0).sum())
             self._last_sign = sign
             metrics["moe/bias/flips"] = flips
-        biases = torch.stack([b.gate.e_score_correction_bias.detach().float().cpu() for b in self.balanced])
-        metrics["moe/bias/abs_mean"] = float(biases.abs().mean())
+        metrics["moe/bias/abs_mean"] = float(self._biases().float().abs().mean())
         return metrics
 
+    def _biases(self) -> Tensor:
+        """The host copy of the biases (read from the device at the first use when training did not start it)."""
+        return self._bias if self._bias is not None else self.read_biases()
+
+    def _sign_update(self, counts: np.ndarray) -> list[Tensor]:
+        """DeepSeek-V3's sign rule on the host copy: each balanced block's bias moves by coeff towards its
+        under-loaded experts, computed in float32 as the router's own rule (`Router.update_selection_bias`) does,
+        then uploaded; returns the changes."""
+        bias, deltas = self._biases(), []
+        rows = [row for row, block in enumerate(self.blocks) if block.spec.selection_bias]
+        for i, (row, block) in enumerate(zip(rows, self.balanced, strict=True)):
+            load = torch.from_numpy(counts[row]).to(torch.float32)
+            delta = self.coeff * torch.sign(load.mean() - load)
+            bias[i] += delta.to(bias.dtype)
+            block.gate.set_bias(bias[i])
+            deltas.append(delta)
+        return deltas
+
     def _quantile_update(self, hist: np.ndarray) -> list[Tensor]:
-        """Move each balanced block's bias `quantile_rate` of the way to `quantile_bias` of its histogram and set
-        its next range; returns the changes (on the host). The biases are read from the device once for all
-        blocks."""
-        current = torch.stack([b.gate.e_score_correction_bias.detach() for b in self.balanced]).double().cpu().numpy()
+        """Move each balanced block's bias `quantile_rate` of the way to `quantile_bias` of its histogram (on the host
+        copy, then uploaded) and set its next range; returns the changes."""
+        bias = self._biases()
+        current = bias.double().numpy()
         deltas = []
         for row, block in enumerate(self.balanced):
             lo, hi = self.ranges[row]
             delta = np.zeros_like(current[row])  # unchanged when no token reached this block in the step
             if hist[row].sum() > 0:
                 delta = self.quantile_rate * (quantile_bias(hist[row], lo, hi, self.top_k) - current[row])
-            block.gate.set_bias(torch.from_numpy(current[row] + delta))
+            bias[row] = torch.from_numpy(current[row] + delta).to(bias.dtype)
+            block.gate.set_bias(bias[row])
             deltas.append(torch.from_numpy(delta))
             self.ranges[row] = next_range(hist[row], lo, hi)
         return deltas
@@ -306,4 +344,4 @@ class MoEBalancer(Callback):
         """Move the biases from the step's global counts (before the optimizer update) and return the routing
         metrics of step `trainer.step + 1`."""
         return self.update(trainer.step + 1, sums["moe/counts"], sums["moe/confidence"], sums["moe/seq_aux"],
-                           sums["moe/rank_load"], sums.get("moe/choice_hist"))  # fmt: skip
+                           sums["moe/rank_load"], sums.get("moe/choice_hist"), sums.get("moe/segments"))  # fmt: skip
