@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,26 +153,29 @@ class _RequestRows:
 
     def save(self, path: Path, loglik: np.ndarray) -> None:
         """Per-choice log-likelihoods with their item, choice, continuation bytes and characters, and the items'
-        labels; for a ppl set, each text's log-likelihood with its words and bytes."""
+        labels; for a ppl set, each text's log-likelihood with its words and bytes. Written under a temporary name
+        and renamed, so a killed run never leaves a partial file."""
         path.parent.mkdir(parents=True, exist_ok=True)
         if self.set.kind == "ppl":
             texts = self.set.texts
-            np.savez(
-                path,
-                loglik=text_logliks(self.requests, loglik, len(texts)),
-                words=np.asarray([count_words(t) for t in texts]),
-                nbytes=np.asarray([len(t.encode("utf-8")) for t in texts]),
-            )
-            return
-        np.savez(
-            path,
-            loglik=loglik,
-            item=np.asarray([r.item for r in self.requests]),
-            choice=np.asarray([r.choice for r in self.requests]),
-            nbytes=np.asarray([r.nbytes for r in self.requests]),
-            nchars=np.asarray([r.nchars for r in self.requests]),
-            label=np.asarray([item.label for item in self.set.items]),
-        )
+            arrays = {
+                "loglik": text_logliks(self.requests, loglik, len(texts)),
+                "words": np.asarray([count_words(t) for t in texts]),
+                "nbytes": np.asarray([len(t.encode("utf-8")) for t in texts]),
+            }
+        else:
+            arrays = {
+                "loglik": loglik,
+                "item": np.asarray([r.item for r in self.requests]),
+                "choice": np.asarray([r.choice for r in self.requests]),
+                "nbytes": np.asarray([r.nbytes for r in self.requests]),
+                "nchars": np.asarray([r.nchars for r in self.requests]),
+                "label": np.asarray([item.label for item in self.set.items]),
+            }
+        partial = path.with_name(f".tmp_{path.name}")
+        with partial.open("wb") as f:
+            np.savez(f, **arrays)
+        os.replace(partial, path)
 
 
 class Validator:
