@@ -30,6 +30,7 @@ from rich.table import Table
 from cpu_load import ForeignLoad
 from lmforge.config import FakeDataConfig, TrainConfig
 from lmforge.config.arch import LlamaArch
+from lmforge.train.host_memory import ENV_SETTING, SWITCH
 
 T = TypeVar("T")
 
@@ -218,6 +219,21 @@ def quiet_wait_s(args: argparse.Namespace) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- running sides
+
+
+ALLOCATORS: dict[str, dict[str, str]] = {"lmforge": ENV_SETTING, "default": {SWITCH: "0"}}
+"""The allocator settings a benchmark gives every side it compares, as environment variables: lmforge's (glibc's
+mmap and trim thresholds, which lmforge then leaves as they are) and glibc's defaults (lmforge told not to change
+them). glibc's settings change a CPU step's time by 20-28% on small machines, so every side gets the same one."""
+ALLOCATOR_LABELS = {"lmforge": "lmforge's malloc setting for every side", "default": "glibc's defaults for every side"}
+
+
+def allocator_names(value: str) -> list[str]:
+    """The allocator settings named in a comma-separated flag value; ValueError for an unknown one."""
+    names = [a for a in value.split(",") if a]
+    if not names or any(a not in ALLOCATORS for a in names):
+        raise ValueError(f"allocator settings are {', '.join(ALLOCATORS)}; got {value!r}")
+    return names
 
 
 def in_turn(sides: Sequence[T], repeat: int) -> Sequence[T]:

@@ -4,11 +4,11 @@ All sides train the same Llama (same architecture, same initial weights) on the 
 `FakeData` windows, split into the same micro-batches, document masking on), with the same AdamW hyper-parameters
 and the same gradient clipping, in fp32 with the same number of threads:
 
-- `lmforge`: a `Trainer` built from a `TrainConfig` in a process group of one (the parameter role groups, the step
-  statistics, the background data prefetcher), with the default attention (`auto`: on the CPU, one causal SDPA
-  per document segment, as here, unless a row holds very many short ones). Each timed step is
-  `trainer.data.next_step()` followed by `trainer.train_step(...)`: exactly what `Trainer.train` does per step,
-  minus the metrics file and console (I/O, not loop overhead).
+- `lmforge` and `lmforge compiled`: a `Trainer` built from a `TrainConfig` in a process group of one (the parameter
+  role groups, the step statistics, the background data prefetcher), with the default attention (`auto`: on the
+  CPU, one causal SDPA per document segment, as here, unless a row holds very many short ones), and
+  `model.compile` off or on. Each timed step is `trainer.data.next_step()` followed by `trainer.train_step(...)`:
+  exactly what `Trainer.train` does per step, minus the metrics file and console (I/O, not loop overhead).
 - `plain eager` and `plain compiled`: `plain_loop.py`, a loop written with torch alone, independent of lmforge's
   model and attention code (its own Llama, the fused causal SDPA kernel once per document segment), eager or with
   the whole model under `torch.compile` (the per-segment attention stays out of the graph, since the segments
@@ -18,18 +18,23 @@ and the same gradient clipping, in fp32 with the same number of threads:
   of the step's loss for the log line a researcher would print (lmforge also reads its step statistics once per
   step).
 
-So every timed region holds the same work: building the step's micro-batches plus one optimizer step.
+So every timed region holds the same work: building the step's micro-batches plus one optimizer step. lmforge is
+set eager against eager and compiled against compiled.
+
+Every side gets the same allocator: glibc's malloc settings change a CPU step's time by 20-28% here, and lmforge
+sets them for itself (`lmforge.train.host_memory`). The timed runs are made twice, once with lmforge's setting for
+every side (`MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` in each side's environment, which lmforge then
+leaves as they are) and once with glibc's defaults for every side (`LMFORGE_KEEP_FREED_MEMORY=0` for lmforge);
+the report gives both.
 
 Each side runs in its own spawned process, so its peak memory is its own: the peak resident set (`VmHWM`) is reset
 after the imports and read after the last step, and the figure reported is the growth over that post-import
-baseline. Each side runs `--repeats` times in alternating order and the best run counts. glibc's malloc keeps freed
-blocks in the heap depending on the allocation history, so that figure can differ by tens of MiB between two
-programs holding the same tensors; one more short run per side with `MALLOC_MMAP_THRESHOLD_` set (freed tensors go
-straight back to the OS) gives the live peak as well (`--no-live-memory` skips it). The report sets lmforge
-against each plain side and against the best of them (the higher tokens/s, the lower memory). Targets:
-lmforge >= 0.95x plain tokens/s and <= 1.1x plain peak memory. The eager losses agree with lmforge's to float
-rounding of the same operations; compiled ones differ by the rounding of fused kernels; the report gives the
-largest difference per side.
+baseline. Each side runs `--repeats` times per allocator setting in alternating order and the best run counts. The
+resident set also holds what the allocator keeps, so one more short run per side with `MALLOC_MMAP_THRESHOLD_` set
+low (freed tensors go straight back to the OS) gives the live peak (`--no-live-memory` skips it). Targets, on equal
+terms: lmforge eager >= 1.0x plain eager and lmforge compiled >= 0.95x plain compiled in tokens/s, and lmforge's
+live peak <= 1.1x plain eager's. The eager losses agree with lmforge's to float rounding of the same operations;
+compiled ones differ by the rounding of fused kernels; the report gives the largest difference per side.
 
 torch's thread pool is sized to the machine, so any other busy process stalls its barriers and can slow a step
 several times over. Before each run the script waits (`--quiet-wait` seconds at most) for the CPUs to go idle, and
@@ -37,8 +42,8 @@ it reports the cores other processes used during each run's timed steps; a best 
 flagged as unreliable.
 
     .venv/bin/python benchmarks/overhead.py [--steps N] [--warmup N] [--repeats N] [--threads N] [--quiet-wait S]
-                                            [--no-live-memory] [--json PATH]
-    .venv/bin/python benchmarks/overhead.py --smoke      # tiny model, 2 steps (~30 s, most of it compiling)
+                                            [--allocators lmforge,default] [--no-live-memory] [--json PATH]
+    .venv/bin/python benchmarks/overhead.py --smoke      # tiny model, 2 steps (~60 s, most of it compiling)
 
 The script always exits 0 when every side ran (it is a benchmark, not a test); PASS/MISS marks each target.
 """
@@ -71,13 +76,17 @@ from lmforge.parallel.process_group import init_distributed, shutdown_distribute
 from lmforge.train.trainer import Trainer
 from plain_loop import Batch, LlamaShape, OptimSettings, PlainTrainer
 
-THROUGHPUT_TARGET = 0.95
-"""lmforge tokens/s must be at least this fraction of the plain loop's."""
+SIDES = ("lmforge", "lmforge_compiled", "plain_eager", "plain_compiled")
+PLAIN = SIDES[2:]
+PAIRS = {"lmforge": "plain_eager", "lmforge_compiled": "plain_compiled"}
+"""Each lmforge side and the plain side it is set against: eager against eager, compiled against compiled."""
+THROUGHPUT_TARGETS = {"lmforge": 1.0, "lmforge_compiled": 0.95}
+"""Each lmforge side's tokens/s must be at least this fraction of its plain side's."""
 MEMORY_TARGET = 1.10
-"""lmforge peak memory must be at most this multiple of the plain loop's."""
-SIDES = ("lmforge", "plain_eager", "plain_compiled")
-PLAIN = SIDES[1:]
-LABELS = {"lmforge": "lmforge", "plain_eager": "plain eager", "plain_compiled": "plain compiled", "best": "best plain"}
+"""lmforge's live peak memory must be at most this multiple of the plain eager loop's."""
+LABELS = {"lmforge": "lmforge", "lmforge_compiled": "lmforge compiled", "plain_eager": "plain eager",
+          "plain_compiled": "plain compiled"}  # fmt: skip
+ALLOCATORS, ALLOCATOR_LABELS = common.ALLOCATORS, common.ALLOCATOR_LABELS
 FOREIGN_LIMIT = 0.1
 """Cores of foreign load above which a run's throughput is flagged as unreliable."""
 MMAP_ENV, MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_", "131072"
@@ -100,10 +109,11 @@ class Settings(common.TrainSettings):
     """Runs per side, in alternating order; the best counts."""
     threads: int = 2
 
-    def run_config(self, output_dir: str) -> TrainConfig:
-        """The lmforge config of the same run: fp32, the default attention (`auto`), the plain loop's AdamW."""
+    def run_config(self, output_dir: str, compiled: bool = False) -> TrainConfig:
+        """The lmforge config of the same run: fp32, the default attention (`auto`), the plain loop's AdamW, the
+        blocks compiled or not."""
         optim = {"beta1": self.beta1, "beta2": self.beta2, "eps": self.eps, "max_norm": self.max_norm}
-        return self.train_config(output_dir, model={"param_dtype": "float32"}, optim=optim)
+        return self.train_config(output_dir, model={"param_dtype": "float32", "compile": compiled}, optim=optim)
 
 
 SMOKE = common.tiny(Settings, seq_len=128, batch_tokens=1024, micro_batch_tokens=256, mean_doc_len=256.0)
@@ -157,12 +167,12 @@ def peak_rss_mib() -> float:
 # ---------------------------------------------------------------------------------------------- the two sides
 
 
-def run_lmforge(settings: Settings) -> common.Steps[float]:
+def run_lmforge(settings: Settings, compiled: bool) -> common.Steps[float]:
     """lmforge's loop: a Trainer in a process group of one, stepped with its own data stream and `train_step`."""
     ctx = init_distributed()
     try:
         with tempfile.TemporaryDirectory(prefix="lmforge-overhead-") as tmp:
-            config = settings.run_config(str(Path(tmp) / "run"))
+            config = settings.run_config(str(Path(tmp) / "run"), compiled)
             check_config(config, ctx.world_size)
             prepare_output_dir(config, overwrite=False)
             trainer = Trainer(config, ctx, console=False)
@@ -226,7 +236,8 @@ def measure_side(side: str, settings: Settings) -> dict[str, Any]:
     baseline = current_rss_mib()
     reset = reset_peak_rss()
     t0 = time.perf_counter()
-    timing = run_lmforge(settings) if side == "lmforge" else run_plain(settings, compiled=side == "plain_compiled")
+    compiled = side.endswith("compiled")
+    timing = run_lmforge(settings, compiled) if side.startswith("lmforge") else run_plain(settings, compiled)
     peak = peak_rss_mib()
     seconds = timing.seconds
     return {
@@ -255,45 +266,30 @@ def run_side(side: str, settings: Settings, env: dict[str, str] | None = None) -
 
 
 def summarize(runs: list[dict[str, Any]], memory_runs: list[dict[str, Any]], settings: Settings) -> dict[str, Any]:
-    """Best run per side (highest tokens/s, lowest peaks), lmforge's ratios to each plain side and to the best of
-    them (the higher tokens/s, the lower memory of the two), the target verdicts and the loss agreement."""
-    best: dict[str, dict[str, float]] = {}
-    for side in SIDES:
-        mine = [r for r in runs if r["side"] == side]
-        fastest = max(mine, key=lambda r: r["tokens_per_s"])
-        live = [r["peak_mib"] for r in memory_runs if r["side"] == side]
-        best[side] = {
-            "tokens_per_s": fastest["tokens_per_s"],
-            "foreign_cores": fastest["foreign_cores"],
-            "peak_mib": min(r["peak_mib"] for r in mine),
-            "peak_rss_mib": min(r["peak_rss_mib"] for r in mine),
-            "live_peak_mib": min(live) if live else math.nan,
-        }
-    best["best"] = {
-        "tokens_per_s": max(best[p]["tokens_per_s"] for p in PLAIN),
-        "peak_mib": min(best[p]["peak_mib"] for p in PLAIN),
-        "live_peak_mib": min(best[p]["live_peak_mib"] for p in PLAIN),
-    }
-    ours = best["lmforge"]
+    """Per allocator setting, the best run of each side (highest tokens/s, lowest peak) and each lmforge side's
+    ratio to its plain side; the live peaks and their ratio; the target verdicts and the loss agreement."""
+    best: dict[str, dict[str, dict[str, float]]] = {}
     ratios: dict[str, dict[str, float]] = {}
-    verdicts: dict[str, dict[str, bool | None]] = {}
-    for other in (*PLAIN, "best"):
-        theirs = best[other]
-        r = {
-            "throughput": ours["tokens_per_s"] / theirs["tokens_per_s"],
-            "memory": ours["peak_mib"] / theirs["peak_mib"],
-            "live_memory": ours["live_peak_mib"] / theirs["live_peak_mib"],
-        }
-        ratios[other] = r
-        verdicts[other] = {
-            "throughput": r["throughput"] >= THROUGHPUT_TARGET,
-            "memory": r["memory"] <= MEMORY_TARGET,
-            "live_memory": r["live_memory"] <= MEMORY_TARGET if memory_runs else None,
-        }
+    verdicts: dict[str, dict[str, bool]] = {}
+    for allocator in sorted({r["allocator"] for r in runs}, key=list(ALLOCATORS).index):
+        best[allocator] = {}
+        for side in SIDES:
+            mine = [r for r in runs if r["side"] == side and r["allocator"] == allocator]
+            fastest = max(mine, key=lambda r: r["tokens_per_s"])
+            best[allocator][side] = {
+                "tokens_per_s": fastest["tokens_per_s"],
+                "foreign_cores": fastest["foreign_cores"],
+                "peak_mib": min(r["peak_mib"] for r in mine),
+            }
+        ratios[allocator] = {ours: best[allocator][ours]["tokens_per_s"] / best[allocator][theirs]["tokens_per_s"]
+                             for ours, theirs in PAIRS.items()}  # fmt: skip
+        verdicts[allocator] = {ours: ratios[allocator][ours] >= THROUGHPUT_TARGETS[ours] for ours in PAIRS}
+    live = {r["side"]: r["peak_mib"] for r in memory_runs}
+    live_ratio = live["lmforge"] / live["plain_eager"] if {"lmforge", "plain_eager"} <= live.keys() else math.nan
     # Same init and data: the first step's loss (before any update) must agree; later ones to float tolerance
     # (eager: the same operations; compiled: fused kernels round differently).
     first = {s: next(r for r in runs if r["side"] == s)["losses"] for s in SIDES}
-    loss_diff = {p: max(abs(a - b) for a, b in zip(first["lmforge"], first[p], strict=True)) for p in PLAIN}
+    loss_diff = {p: max(abs(a - b) for a, b in zip(first["lmforge"], first[p], strict=True)) for p in SIDES[1:]}
     return {
         "settings": asdict(settings),
         "runs": runs,
@@ -301,63 +297,54 @@ def summarize(runs: list[dict[str, Any]], memory_runs: list[dict[str, Any]], set
         "best": best,
         "ratios": ratios,
         "verdicts": verdicts,
+        "live_peak_mib": live,
+        "live_ratio": live_ratio,
+        "live_verdict": live_ratio <= MEMORY_TARGET if memory_runs else None,
         "first_loss": {s: losses[0] for s, losses in first.items()},
         "max_loss_diff": loss_diff,
     }
 
 
 def print_report(summary: dict[str, Any], console: Console) -> None:
-    """The table: each side's best tokens/s and peak memory, then lmforge's ratios against the targets."""
+    """The table: each side's best tokens/s under each allocator setting with lmforge's ratios and the targets,
+    then the live peaks."""
     s = Settings(**summary["settings"])
-    best = summary["best"]
-    live = summary["memory_runs"] != []
+    allocators = list(summary["best"])
     title = (
         f"lmforge vs plain PyTorch: Llama d{s.hidden_size} x{s.num_hidden_layers}, seq {s.seq_len}, "
         f"{s.batch_tokens} tokens/step in {s.batch_tokens // s.micro_batch_tokens} micro-batches, fp32, "
         f"{s.threads} threads, {s.steps} timed steps after {s.warmup}"
     )
-    live_column = ["live peak MiB\n(RSS, freed returned)"] if live else []
-    columns = ["side", "tokens/s", "peak memory MiB\n(RSS growth)", *live_column, "process peak\nRSS MiB"]
-    table = common.result_table(title, columns)
+    table = common.result_table(title, ["side", *(f"tokens/s\n{ALLOCATOR_LABELS[a]}" for a in allocators)])
     for side in SIDES:
-        b = best[side]
-        cells = [f"{b['tokens_per_s']:,.0f}", f"{b['peak_mib']:,.1f}"]
-        cells += [f"{b['live_peak_mib']:,.1f}"] if live else []
-        table.add_row(LABELS[side], *cells, f"{b['peak_rss_mib']:,.1f}")
+        table.add_row(LABELS[side], *(f"{summary['best'][a][side]['tokens_per_s']:,.0f}" for a in allocators))
     table.add_section()
-    for other in (*PLAIN, "best"):
-        r, v = summary["ratios"][other], summary["verdicts"][other]
-        cells = [
-            f"{r['throughput']:.3f}x {common.verdict(v['throughput'])}",
-            f"{r['memory']:.3f}x {common.verdict(v['memory'])}",
-        ]
-        cells += [f"{r['live_memory']:.3f}x {common.verdict(v['live_memory'])}"] if live else []
-        table.add_row(f"lmforge / {LABELS[other]}", *cells, "")
-    targets = [f">= {THROUGHPUT_TARGET:.2f}x", f"<= {MEMORY_TARGET:.2f}x"] + (
-        [f"<= {MEMORY_TARGET:.2f}x"] if live else []
-    )
-    table.add_row("target", *targets, "")
+    for ours, theirs in PAIRS.items():
+        cells = [f"{summary['ratios'][a][ours]:.3f}x {common.verdict(summary['verdicts'][a][ours])}"
+                 for a in allocators]  # fmt: skip
+        table.add_row(f"{LABELS[ours]} / {LABELS[theirs]}", *cells)
+    table.add_row("target", *(" / ".join(f">= {t:.2f}x" for t in THROUGHPUT_TARGETS.values()) for _ in allocators))
     console.print(table)
-    console.print(
-        "peak memory: growth of the peak resident set over the post-import baseline, each side in its own process, "
-        "with glibc's default malloc (which keeps freed blocks depending on the allocation history). best plain: "
-        "the higher tokens/s and the lower memory of the two plain sides."
-    )
+    live = summary["live_peak_mib"]
     if live:
+        peaks = ", ".join(f"{LABELS[side]} {mib:,.1f} MiB" for side, mib in live.items())
         console.print(
-            f"live peak: the same, in one more run per side ({MEMORY_PASS_STEPS[0]} warmup + {MEMORY_PASS_STEPS[1]} "
-            f"steps) with {MMAP_ENV}={MMAP_THRESHOLD}, so "
-            "freed tensors go back to the OS and the peak follows the memory actually in use."
+            "live peak (RSS growth over the imports, freed tensors returned to the OS with "
+            f"{MMAP_ENV}={MMAP_THRESHOLD}): {peaks}"
+            + f"; lmforge / plain eager {summary['live_ratio']:.3f}x {common.verdict(summary['live_verdict'])} "
+            f"(target <= {MEMORY_TARGET:.2f}x)",
+            highlight=False,
         )
     first, diff = summary["first_loss"], summary["max_loss_diff"]
     console.print(
         "same model and data: first-step loss "
         + ", ".join(f"{LABELS[side]} {first[side]:.6f}" for side in SIDES)
         + "; largest loss difference to lmforge over all steps: "
-        + ", ".join(f"{LABELS[p]} {diff[p]:.2e}" for p in PLAIN),
+        + ", ".join(f"{LABELS[p]} {diff[p]:.2e}" for p in SIDES[1:]),
         highlight=False,
     )
-    contended = [LABELS[side] for side in SIDES if best[side]["foreign_cores"] > FOREIGN_LIMIT]
+    contended = sorted({f"{LABELS[side]} ({a})" for a in allocators for side in SIDES
+                        if summary["best"][a][side]["foreign_cores"] > FOREIGN_LIMIT})  # fmt: skip
     if contended:
         console.print(
             f"[yellow]other processes used the CPUs during the best {', '.join(contended)} run "
@@ -372,6 +359,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     smoke = "tiny model and 2 steps: checks the script runs (~30 s, most of it compiling the plain loop)"
     presets = {"default": Settings(), "smoke": SMOKE}
     p = common.benchmark_parser(__doc__, presets, smoke, quiet_wait="before each run", all_cores=True)
+    p.add_argument(
+        "--allocators",
+        default=",".join(ALLOCATORS),
+        help="the allocator settings every side runs with in turn: lmforge (its malloc thresholds), default (glibc's)",
+    )
     p.add_argument(
         "--no-live-memory",
         action="store_true",
@@ -388,23 +380,29 @@ def main(argv: list[str] | None = None) -> int:
     if settings.steps < 1 or settings.warmup < 0 or settings.repeats < 1 or settings.threads < 1:
         print("overhead.py: --steps, --repeats and --threads must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
+    try:
+        allocators = common.allocator_names(args.allocators)
+    except ValueError as e:
+        print(f"overhead.py: --allocators: {e}", file=sys.stderr)
+        return 2
     console = common.make_console()
     runs: list[dict[str, Any]] = []
-    for r in range(settings.repeats):
-        for side in common.in_turn(SIDES, r):
-            settle(quiet_wait)
-            result = run_side(side, settings)
-            console.print(
-                f"run {r + 1}/{settings.repeats} {LABELS[side]:>14}: {result['tokens_per_s']:,.0f} tokens/s, "
-                f"peak +{result['peak_mib']:,.1f} MiB, other processes {result['foreign_cores']:.2f} cores "
-                f"({result['wall_s']:.1f} s)",
-                highlight=False,
-            )
-            runs.append(result)
+    for allocator in allocators:
+        for r in range(settings.repeats):
+            for side in common.in_turn(SIDES, r):
+                settle(quiet_wait)
+                result = {**run_side(side, settings, ALLOCATORS[allocator]), "allocator": allocator}
+                console.print(
+                    f"{allocator:>7} run {r + 1}/{settings.repeats} {LABELS[side]:>16}: "
+                    f"{result['tokens_per_s']:,.0f} tokens/s, peak +{result['peak_mib']:,.1f} MiB, other processes "
+                    f"{result['foreign_cores']:.2f} cores ({result['wall_s']:.1f} s)",
+                    highlight=False,
+                )
+                runs.append(result)
     memory_runs: list[dict[str, Any]] = []
     if not args.no_live_memory:
         warmup, steps = MEMORY_PASS_STEPS
-        for side in SIDES:
+        for side in ("lmforge", "plain_eager"):
             result = run_side(side, replace(settings, warmup=warmup, steps=steps), {MMAP_ENV: MMAP_THRESHOLD})
             console.print(f"live-memory run {LABELS[side]:>14}: peak +{result['peak_mib']:,.1f} MiB", highlight=False)
             memory_runs.append(result)

@@ -19,6 +19,11 @@ in one micro-batch per process (8 windows of 512 on one process, 4 per rank on t
   2 CPU processes (its pretraining uses Lightning's FSDP strategy for more than one device, which Lightning allows
   only on GPUs), so that side is reported as skipped.
 
+Every side gets the same allocator: glibc's malloc settings change a step's time by 20-28% on these cores, and
+lmforge sets them for itself. The whole comparison runs once per `--allocators` setting: `lmforge` (its mmap and
+trim thresholds in every side's environment, which lmforge then leaves as they are) and `default` (glibc's own,
+lmforge told not to change them); the report has a table for each, and the ratios compare sides of one setting.
+
 Each side runs `--warmup` untimed steps and then `--steps` timed ones, in its own processes, one side after the
 other, after waiting (`--quiet-wait`) for the CPUs to go idle; all sides run `--repeats` times, the order reversed
 at every repeat. A run's tokens/s is its timed steps' tokens over the sum of their step times; a side's is the
@@ -39,7 +44,7 @@ reported as skipped or failed, with the reason, and the table is still printed.
 `--profile DIR` runs every side once more after the timed runs, with `torch.profiler` on rank 0 over
 `PROFILE_STEPS` steps after the warmup, and writes each side's table of top operators (by time spent in the
 operator itself) to `DIR/<side>-<processes>.txt`; those runs do not count in the figures.
-    .venv/bin/python benchmarks/peers.py --smoke    # tiny model, 2 steps, lmforge and plain eager only (~20 s)
+    .venv/bin/python benchmarks/peers.py --smoke    # tiny model, 2 steps, lmforge and plain eager only (~40 s)
 
 The full run takes about 17 minutes on 2 idle cores (more when torch's compile cache is cold), plus about 3 minutes
 to install the peers the first time.
@@ -128,6 +133,8 @@ class Settings:
     threads: int = 2
     timeout_s: float = 900.0
     """Longest a side may run, startup and compilation included."""
+    allocator: str = "lmforge"
+    """The allocator setting every side runs with (`common.ALLOCATORS`)."""
 
     def rows(self, procs: int) -> int:
         """Windows per process and step."""
@@ -171,6 +178,8 @@ class Run:
 
     side: str
     procs: int
+    allocator: str = "lmforge"
+    """The allocator setting of the run (`common.ALLOCATORS`)."""
     status: str = "ok"
     """ok, skipped or failed."""
     reason: str = ""
@@ -295,7 +304,7 @@ def measure(
     parse: Callable[[str], list[float]],
 ) -> Run:
     """Run one side's command and turn its per-step throughput into the side's figures."""
-    run = Run(side, procs, command=cmd)
+    run = Run(side, procs, settings.allocator, command=cmd)
     finished = run_command(cmd, env, cwd, cwd / "log.txt", settings.timeout_s)
     run.wall_s, run.peak_rss_mib = finished.wall_s, finished.peak_rss_mib
     run.foreign_cores = max(finished.busy_s - finished.cpu_s, 0.0) / finished.wall_s
@@ -318,10 +327,14 @@ def measure(
 def child_env(
     settings: Settings, procs: int, spec: dict[str, Any] | None = None, profile: Path | None = None
 ) -> dict[str, str]:
-    """The environment of a side: this one, with the threads per process; for a peer, with its `PEER_SPEC` and
+    """The environment of a side: this one, with the threads per process and the run's allocator setting; for a
+    peer, with its `PEER_SPEC` and
     without `PYTHONPATH` (the peer's interpreter must see its own packages only); with `profile`, the request for
     a profile written there (`peer_shims.profile_from_env`)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, settings.threads // procs))}
+    for name in {n for setting in common.ALLOCATORS.values() for n in setting}:
+        env.pop(name, None)  # this process's own setting must not leak into a side's
+    env.update(common.ALLOCATORS[settings.allocator])
     if profile is not None:
         env["PEER_PROFILE"] = f"{profile}:{settings.warmup}:{min(PROFILE_STEPS, settings.steps)}"
     if spec is not None:
@@ -512,13 +525,13 @@ def install_peer(name: str, console: Any) -> str | None:
 
 def summarize(runs: list[Run], settings: Settings) -> dict[str, Any]:
     """The runs, and lmforge's throughput (eager and compiled) and memory over each side's at the same process
-    count."""
-    lmforge = {r.procs: r for r in runs if r.side == "lmforge" and r.status == "ok"}
-    compiled = {r.procs: r for r in runs if r.side == "lmforge compiled" and r.status == "ok"}
+    count and allocator setting."""
+    lmforge = {(r.allocator, r.procs): r for r in runs if r.side == "lmforge" and r.status == "ok"}
+    compiled = {(r.allocator, r.procs): r for r in runs if r.side == "lmforge compiled" and r.status == "ok"}
     rows = []
     for r in runs:
         row: dict[str, Any] = asdict(r)
-        base, fast = lmforge.get(r.procs), compiled.get(r.procs)
+        base, fast = lmforge.get((r.allocator, r.procs)), compiled.get((r.allocator, r.procs))
         ok = r.status == "ok"
         row["lmforge_over_side"] = base.tokens_per_s / r.tokens_per_s if ok and base else None
         row["lmforge_compiled_over_side"] = fast.tokens_per_s / r.tokens_per_s if ok and fast else None
@@ -533,18 +546,36 @@ def _ratio(value: float | None, itself: bool) -> str:
 
 
 def print_report(summary: dict[str, Any], console: Any) -> None:
-    """One table: each side's tokens/s and peak memory, and lmforge's ratios to it."""
+    """A table per allocator setting: each side's tokens/s and peak memory, and lmforge's ratios to it."""
+    for allocator in dict.fromkeys(row["allocator"] for row in summary["sides"]):
+        _print_table(summary, allocator, console)
+    console.print(
+        "tokens/s: timed steps' tokens over the sum of their step times, as each side logs them, the median of the "
+        "side's runs (range: its slowest and fastest); peak RSS: the "
+        "largest peak resident set of any process of the side (imports and compilers included); lmforge / side: "
+        "lmforge (eager, or compiled) at the same number of processes and allocator setting over the side (above 1: "
+        "lmforge is faster, or uses more memory)."
+    )
+    if any(row["status"] == "ok" and row["foreign_cores"] > FOREIGN_LIMIT for row in summary["sides"]):
+        console.print(
+            f"[yellow]other processes used the CPUs during some runs (> {FOREIGN_LIMIT} cores): those figures are "
+            "not reliable; rerun on an idle machine[/]"
+        )
+
+
+def _print_table(summary: dict[str, Any], allocator: str, console: Any) -> None:
+    """The table of one allocator setting."""
     s = Settings(**summary["settings"])
     title = (
         f"lmforge vs the alternatives: Llama d{s.hidden_size} x{s.num_layers}, {s.num_heads} heads "
         f"({s.num_kv_heads} KV), vocab {s.vocab_size}, seq {s.seq_len}, {s.batch_tokens} tokens/step, fp32, "
-        f"{s.steps} timed steps after {s.warmup}"
+        f"{s.steps} timed steps after {s.warmup}; {common.ALLOCATOR_LABELS[allocator]}"
     )
     columns = ["side", "processes", "tokens/s\n(median)", "range", "peak RSS MiB\n(largest process)",
                "lmforge / side\ntokens/s", "lmforge compiled\n/ side tokens/s", "lmforge / side\npeak memory",
                "notes"]  # fmt: skip
     table = common.result_table(title, columns, left={"side", "notes"})
-    for row in summary["sides"]:
+    for row in (r for r in summary["sides"] if r["allocator"] == allocator):
         if row["status"] != "ok":
             missing = ["-"] * 6
             table.add_row(row["side"], str(row["procs"]), *missing, f"{row['status']}: {row['reason']}")
@@ -562,18 +593,6 @@ def print_report(summary: dict[str, Any], console: Any) -> None:
             note,
         )
     console.print(table)
-    console.print(
-        "tokens/s: timed steps' tokens over the sum of their step times, as each side logs them, the median of the "
-        "side's runs (range: its slowest and fastest); peak RSS: the "
-        "largest peak resident set of any process of the side (imports and compilers included); lmforge / side: "
-        "lmforge (eager, or compiled) at the same number of processes over the side (above 1: lmforge is faster, or "
-        "uses more memory)."
-    )
-    if any(row["status"] == "ok" and row["foreign_cores"] > FOREIGN_LIMIT for row in summary["sides"]):
-        console.print(
-            f"[yellow]other processes used the CPUs during some runs (> {FOREIGN_LIMIT} cores): those figures are "
-            "not reliable; rerun on an idle machine[/]"
-        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -583,6 +602,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = common.benchmark_parser(__doc__, presets, smoke, quiet_wait="before each run", all_cores=True)
     p.add_argument("--peers", default="torchtitan,litgpt", help="peers to run, comma-separated (default: both)")
     p.add_argument("--procs", default="1,2", help="process counts, comma-separated (default 1,2)")
+    p.add_argument(
+        "--allocators", default=",".join(common.ALLOCATORS),
+        help="allocator settings every side runs with in turn: lmforge (its malloc thresholds), default (glibc's)",
+    )  # fmt: skip
     p.add_argument(
         "--work-dir", type=Path, default=None, help="keep each run's config, output and log here (default: a temp dir)"
     )
@@ -596,16 +619,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def merge_runs(paths: list[Path]) -> tuple[list[tuple[str, int]], dict[tuple[str, int], list[Run]]]:
+Key = tuple[str, str, int]
+"""(allocator setting, side, processes)."""
+
+
+def merge_runs(paths: list[Path]) -> tuple[list[Key], dict[Key, list[Run]]]:
     """The sides (in their first file's order) and every run of each, from the `--json` files of invocations of
     this script with the same settings."""
-    order: list[tuple[str, int]] = []
-    runs: dict[tuple[str, int], list[Run]] = {}
+    order: list[Key] = []
+    runs: dict[Key, list[Run]] = {}
     for path in paths:
         for record in json.loads(path.read_text(encoding="utf-8"))["runs"]:
             record["tokens_per_s_range"] = tuple(record.get("tokens_per_s_range", (math.nan, math.nan)))
             run = Run(**record)
-            key = (run.side, run.procs)
+            key = (run.allocator, run.side, run.procs)
             if key not in runs:
                 order.append(key)
             runs.setdefault(key, []).append(run)
@@ -695,6 +722,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     peers = [p for p in args.peers.split(",") if p]
     procs = sorted({int(n) for n in args.procs.split(",") if n})
+    try:
+        allocators = common.allocator_names(args.allocators)
+    except ValueError as e:
+        print(f"peers.py: --allocators: {e}", file=sys.stderr)
+        return 2
     unknown = set(peers) - set(PEER_PACKAGES)
     if unknown or not procs or min(procs) < 1 or settings.steps < 1 or settings.warmup < 0 or settings.repeats < 1:
         print(f"peers.py: unknown peers {sorted(unknown)} or bad --procs/--steps/--warmup/--repeats", file=sys.stderr)
@@ -712,37 +744,41 @@ def main(argv: list[str] | None = None) -> int:
             pythons[name] = str(peer_python(name))
         else:
             reasons[name] = reason
-    plan = plan_sides(settings, procs, peers, args.smoke, pythons, reasons)
+    plans = {a: plan_sides(replace(settings, allocator=a), procs, peers, args.smoke, pythons, reasons)
+             for a in allocators}  # fmt: skip
     work_root = args.work_dir or Path(tempfile.mkdtemp(prefix="lmforge-peers-"))
-    runs: dict[tuple[str, int], list[Run]] = {(side, n): [] for side, n, _ in plan}
+    runs: dict[Key, list[Run]] = {(a, side, n): [] for a, plan in plans.items() for side, n, _ in plan}
     try:
-        for r in range(settings.repeats):
-            for side, n, job in common.in_turn(plan, r):
-                if isinstance(job, str):
-                    status, reason = job.split(": ", 1)
-                    runs[side, n].append(Run(side, n, status=status, reason=reason))
-                    continue
-                work = work_root / f"{side.replace(' ', '-')}-{n}-{r + 1}"
-                work.mkdir(parents=True, exist_ok=True)
-                settle(quiet)
-                run = job(work, None)
-                runs[side, n].append(run)
-                figure = f"{run.tokens_per_s:,.0f} tokens/s" if run.status == "ok" else f"{run.status}: {run.reason}"
-                console.print(
-                    f"run {r + 1}/{settings.repeats} {side} x{n}: {figure}, peak RSS {run.peak_rss_mib:,.0f} MiB, "
-                    f"other processes {run.foreign_cores:.2f} cores ({run.wall_s:.0f} s)",
-                    highlight=False,
-                )
+        for allocator, plan in plans.items():
+            for r in range(settings.repeats):
+                for side, n, job in common.in_turn(plan, r):
+                    if isinstance(job, str):
+                        status, reason = job.split(": ", 1)
+                        runs[allocator, side, n].append(Run(side, n, allocator, status=status, reason=reason))
+                        continue
+                    work = work_root / allocator / f"{side.replace(' ', '-')}-{n}-{r + 1}"
+                    work.mkdir(parents=True, exist_ok=True)
+                    settle(quiet)
+                    run = job(work, None)
+                    runs[allocator, side, n].append(run)
+                    ok = run.status == "ok"
+                    figure = f"{run.tokens_per_s:,.0f} tokens/s" if ok else f"{run.status}: {run.reason}"
+                    console.print(
+                        f"{allocator} run {r + 1}/{settings.repeats} {side} x{n}: {figure}, peak RSS "
+                        f"{run.peak_rss_mib:,.0f} MiB, other processes {run.foreign_cores:.2f} cores "
+                        f"({run.wall_s:.0f} s)",
+                        highlight=False,
+                    )
         if args.profile is not None:
-            profile_sides(plan, work_root, args.profile, quiet, console)
+            profile_sides(plans[allocators[0]], work_root / "profile", args.profile, quiet, console)
     finally:
         if args.work_dir is None:
             shutil.rmtree(work_root, ignore_errors=True)
-    summary = summarize([side_figures(runs[side, n]) for side, n, _ in plan], settings)
-    summary["runs"] = [asdict(run) for side, n, _ in plan for run in runs[side, n]]
+    summary = summarize([side_figures(runs[key]) for key in runs], settings)
+    summary["runs"] = [asdict(run) for key in runs for run in runs[key]]
     print_report(summary, console)
     common.write_json(args.json, summary)
-    ours = [side_figures(runs[key]) for key in runs if not key[0].startswith(("torchtitan", "litgpt"))]
+    ours = [side_figures(runs[key]) for key in runs if not key[1].startswith(("torchtitan", "litgpt"))]
     return 1 if any(r.status == "failed" for r in ours) else 0
 
 

@@ -32,12 +32,16 @@ def run_benchmark(tmp_path: Path, script: str, *args: str, timeout: float, name:
 
 
 def check_overhead(figures: Any, result: Result, tmp_path: Path) -> None:
-    """`overhead.py --smoke` trains the same model on every side."""
-    sides = ("lmforge", "plain_eager", "plain_compiled")
-    assert all(figures["best"][side]["tokens_per_s"] > 0 for side in sides)
-    # lmforge is set against each plain side and against the faster of them
-    assert figures["best"]["best"]["tokens_per_s"] == max(figures["best"][s]["tokens_per_s"] for s in sides[1:])
-    assert set(figures["ratios"]) == {"plain_eager", "plain_compiled", "best"}
+    """`overhead.py --smoke` trains the same model on every side, under both allocator settings."""
+    sides = ("lmforge", "lmforge_compiled", "plain_eager", "plain_compiled")
+    assert set(figures["best"]) == {"lmforge", "default"}  # lmforge's malloc setting for all sides, and glibc's
+    for allocator, best in figures["best"].items():
+        assert all(best[side]["tokens_per_s"] > 0 for side in sides), allocator
+        # eager is set against eager, compiled against compiled
+        assert figures["ratios"][allocator]["lmforge"] == pytest.approx(
+            best["lmforge"]["tokens_per_s"] / best["plain_eager"]["tokens_per_s"]
+        )
+        assert set(figures["ratios"][allocator]) == {"lmforge", "lmforge_compiled"}
     # every side starts from the same weights and data, so the losses agree (compiled: up to float rounding)
     for side in sides[1:]:
         assert figures["first_loss"][side] == pytest.approx(figures["first_loss"]["lmforge"], abs=1e-5)
@@ -45,20 +49,25 @@ def check_overhead(figures: Any, result: Result, tmp_path: Path) -> None:
 
 
 def check_peers(figures: Any, result: Result, tmp_path: Path) -> None:
-    """`peers.py --smoke` trains the tiny model with lmforge (1 and 2 processes) and the plain loop, reports the
-    peers as skipped without installing them, and with `--profile` writes each side's table of top operators."""
+    """`peers.py --smoke` trains the tiny model with lmforge (1 and 2 processes) and the plain loop under both
+    allocator settings, reports the peers as skipped without installing them, and with `--profile` writes each
+    side's table of top operators."""
     out, profiles = tmp_path / "peers.json", tmp_path / "profiles"  # where run_benchmark and the row put them
-    rows = {(row["side"], row["procs"]): row for row in figures["sides"]}
+    every = {(row["allocator"], row["side"], row["procs"]): row for row in figures["sides"]}
+    assert {key[0] for key in every} == {"lmforge", "default"}  # every side under each setting, compared within it
+    rows = {key[1:]: row for key, row in every.items() if key[0] == "lmforge"}
     for side in (("lmforge", 1), ("lmforge", 2), ("lmforge doc-masked", 1), ("plain eager", 1)):
         assert rows[side]["status"] == "ok", rows[side]["reason"]
         assert rows[side]["tokens_per_s"] > 0 and rows[side]["peak_rss_mib"] > 0
         assert len(rows[side]["step_tokens_per_s"]) == 3  # 1 warmup + 2 timed steps
+        assert every[("default", *side)]["status"] == "ok"
     assert rows[("plain eager", 1)]["lmforge_over_side"] > 0
     peers = [row for row in rows.values() if row["side"] in ("torchtitan", "litgpt")]
     assert {(row["side"], row["procs"]) for row in peers} == {(p, n) for p in ("torchtitan", "litgpt") for n in (1, 2)}
     assert all(row["status"] == "skipped" for row in peers)
     assert rows[("torchtitan", 1)]["reason"] == "--smoke does not install peers"
     assert "lmforge" in result.stdout and "plain eager" in result.stdout and "skipped" in result.stdout
+    assert "glibc's defaults for every side" in result.stdout and "lmforge's malloc setting" in result.stdout
     assert sorted(p.name for p in profiles.iterdir()) == [
         "lmforge-1.txt",
         "lmforge-2.txt",
@@ -70,11 +79,12 @@ def check_peers(figures: Any, result: Result, tmp_path: Path) -> None:
         assert text.startswith("optimizer steps 2..3") and "aten::mm" in text, text[:500]
     # --merge pools the runs of earlier invocations: the same file twice doubles each side's runs, not its median.
     merged, _ = run_benchmark(tmp_path, "peers.py", "--merge", str(out), str(out), timeout=60, name="merged")
-    pooled = {(row["side"], row["procs"]): row for row in merged["sides"]}
+    pooled = {(row["allocator"], row["side"], row["procs"]): row for row in merged["sides"]}
     assert len(merged["runs"]) == 2 * len(figures["runs"])
-    for side in (("lmforge", 1), ("lmforge", 2), ("plain eager", 1)):
-        assert pooled[side]["tokens_per_s"] == pytest.approx(rows[side]["tokens_per_s"])
-    assert pooled[("torchtitan", 1)]["status"] == "skipped"
+    for key in every:
+        if every[key]["status"] == "ok":
+            assert pooled[key]["tokens_per_s"] == pytest.approx(every[key]["tokens_per_s"])
+    assert pooled[("lmforge", "torchtitan", 1)]["status"] == "skipped"
 
 
 def check_attention_switch(figures: Any, result: Result, tmp_path: Path) -> None:

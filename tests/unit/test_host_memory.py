@@ -54,3 +54,18 @@ def test_a_freed_activation_sized_buffer_is_reused_without_page_faults() -> None
         kept.append(_faults("kept"))
     # With the setting, the step-to-step pattern reuses the block (in some processes).
     assert all(f < 500 for f in kept[-1]["faults"]), kept  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "env", [{"LMFORGE_KEEP_FREED_MEMORY": "0"}, {"MALLOC_MMAP_THRESHOLD_": "131072"}, {"MALLOC_TRIM_THRESHOLD_": "0"}]
+)
+def test_the_environment_decides_first(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    from lmforge.train.host_memory import retain_freed_memory, settings_from_environment
+
+    for name in ("LMFORGE_KEEP_FREED_MEMORY", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        monkeypatch.delenv(name, raising=False)
+    assert not settings_from_environment()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    # A user's own malloc settings (or a benchmark's glibc defaults) are left as they are.
+    assert settings_from_environment() and retain_freed_memory() is False
