@@ -597,7 +597,7 @@ def _print_table(summary: dict[str, Any], allocator: str, console: Any) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags."""
-    smoke = f"tiny model and {SMOKE.steps} steps, lmforge and the eager plain loop only: checks the script runs (~20 s)"
+    smoke = f"tiny model and {SMOKE.steps} steps, lmforge and the eager plain loop only: checks the script runs (~40 s)"
     presets = {"default": Settings(), "smoke": SMOKE}
     p = common.benchmark_parser(__doc__, presets, smoke, quiet_wait="before each run", all_cores=True)
     p.add_argument("--peers", default="torchtitan,litgpt", help="peers to run, comma-separated (default: both)")
