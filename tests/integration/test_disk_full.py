@@ -3,8 +3,10 @@ last good checkpoint, nothing partial is left, and the relaunch continues exactl
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -57,21 +59,29 @@ def test_a_full_disk_during_a_save_stops_the_run_and_keeps_latest(tmp_path: Path
     assert losses(tmp_path / "run") == losses(tmp_path / "reference")
 
 
-def test_a_real_small_file_system_fills_up(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def small_tmpfs(tmp_path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted under `tmp_path` for the test (skipped where the machine lets no test mount one;
+    the injected failures cover that case), unmounted after."""
     mount = tmp_path / f"small-{uuid.uuid4().hex[:8]}"
     mount.mkdir()
-    # 2 MiB: one checkpoint of this model (1.2 MB) and the run's small files fit; a second one next to it does not.
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True,
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True,
                           text=True, check=False)  # fmt: skip
     if made.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({made.stderr.strip()}); the injected-ENOSPC test covers it")
+        pytest.skip(f"cannot mount a small tmpfs here ({made.stderr.strip()}); the injected failures cover it")
     try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_real_small_file_system_fills_up(tmp_path: Path) -> None:
+    # 2 MiB: one checkpoint of this model (1.2 MB) and the run's small files fit; a second one next to it does not.
+    with small_tmpfs(tmp_path, "2m") as mount:
         cfg = write_config(mount, "run", max_steps=STEPS)
         result = run_cli(["train", "@", str(cfg), "--ckpt.interval", "2", "--ckpt.keep-last", "1"])
         # Which write meets the full disk decides the error's own words; the note says what it means.
         _assert_stopped_cleanly(result, mount / "run", failed=4, kept=2, cause="(the disk is full: ")
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 FAULTY = Path(__file__).with_name("faulty_run.py")
@@ -115,14 +125,8 @@ def test_a_record_that_cannot_be_written_stops_the_run_and_a_relaunch_continues_
 
 
 def test_metrics_on_a_real_full_file_system_stop_the_run(tmp_path: Path) -> None:
-    mount = tmp_path / f"record-{uuid.uuid4().hex[:8]}"
-    mount.mkdir()
     # One 4 KiB page: the record of step 0 (parameter counts, ~1 KiB) and a few steps fit, then the disk is full.
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(mount)], capture_output=True,
-                          text=True, check=False)  # fmt: skip
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({made.stderr.strip()}); the injected failures cover it")
-    try:
+    with small_tmpfs(tmp_path, "4k") as mount:
         flags = ["--ckpt.interval", "2", "--log.interval", "1"]
         reference = write_config(tmp_path, "reference", max_steps=STEPS)
         assert run_cli(["train", "@", str(reference), *flags]).returncode == 0
@@ -143,5 +147,3 @@ def test_metrics_on_a_real_full_file_system_stop_the_run(tmp_path: Path) -> None
         assert again.returncode == 0, again.stderr[-3000:]
         assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(STEPS + 1))
         assert losses(run) == losses(tmp_path / "reference")
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
