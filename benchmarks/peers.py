@@ -190,6 +190,10 @@ class Run:
     """Over a side's repeats (`side_figures`): its slowest and fastest run."""
     peak_rss_mib: float = math.nan
     """Largest peak resident set of any process of the run."""
+    params: int | None = None
+    """Parameters of the model the side built, as it reports them: every side must build the same model."""
+    first_loss: float = math.nan
+    """The loss of the first step (before any update), as the side logs it: it depends on the side's own init."""
     wall_s: float = math.nan
     foreign_cores: float = math.nan
     """Mean cores other processes kept busy over the whole run."""
@@ -301,9 +305,10 @@ def measure(
     env: dict[str, str],
     cwd: Path,
     settings: Settings,
-    parse: Callable[[str], list[float]],
+    parse: Callable[[str], Logged],
 ) -> Run:
-    """Run one side's command and turn its per-step throughput into the side's figures."""
+    """Run one side's command and turn what it logged (per-step throughput, parameters, first loss) into the side's
+    figures."""
     run = Run(side, procs, settings.allocator, command=cmd)
     finished = run_command(cmd, env, cwd, cwd / "log.txt", settings.timeout_s)
     run.wall_s, run.peak_rss_mib = finished.wall_s, finished.peak_rss_mib
@@ -313,8 +318,8 @@ def measure(
     if finished.returncode != 0:
         return replace(run, status="failed", reason=f"exit {finished.returncode}: {last_error(finished.log)}")
     try:
-        run.step_tokens_per_s = parse(finished.log)
-    except (OSError, ValueError, KeyError) as e:
+        run.step_tokens_per_s, run.params, run.first_loss = parse(finished.log)
+    except (OSError, ValueError, KeyError, IndexError) as e:
         return replace(run, status="failed", reason=f"could not read its step times: {e}")
     timed = run.step_tokens_per_s[settings.warmup : settings.warmup + settings.steps]
     if len(timed) < settings.steps:
@@ -322,6 +327,10 @@ def measure(
     # Total tokens over total time: each step's seconds are its tokens over its throughput.
     run.tokens_per_s = len(timed) * settings.batch_tokens / sum(settings.batch_tokens / t for t in timed)
     return run
+
+
+Logged = tuple[list[float], int | None, float]
+"""What a side's output gives: every step's tokens/s, the parameter count and the first step's loss."""
 
 
 def child_env(
@@ -417,11 +426,13 @@ def run_lmforge(
     module = ["-m", "lmforge"] if profile is None else [str(SHIMS), "run", "-m", "lmforge"]
     cmd = [*launcher, *module, "train", "@", str(path)]
 
-    def parse(_: str) -> list[float]:
+    def parse(_: str) -> Logged:
         lines = (work / "run" / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+        records = list(map(json.loads, filter(None, lines)))
         # Step records carry perf/throughput; the record of step 0 holds the parameter counts.
-        steps = [r for r in map(json.loads, filter(None, lines)) if "perf/throughput" in r]
-        return [float(r["perf/throughput"]) for r in sorted(steps, key=lambda r: r["step"])]
+        steps = sorted((r for r in records if "perf/throughput" in r), key=lambda r: r["step"])
+        params = next(int(r["params/total"]) for r in records if r["step"] == 0)
+        return [float(r["perf/throughput"]) for r in steps], params, float(steps[0]["loss/mean"])
 
     side = "lmforge compiled" if compiled else "lmforge doc-masked" if masked else "lmforge"
     return measure(side, procs, cmd, child_env(settings, procs, profile=profile), work, settings, parse)
@@ -441,16 +452,19 @@ def run_plain(settings: Settings, compiled: bool, work: Path, profile: Path | No
     cmd += [f"--batch={s.rows(1)}", f"--steps={s.warmup + s.steps}", f"--seed={s.seed}", f"--json={out}"]
     cmd += ["--compile"] if compiled else []
 
-    def parse(_: str) -> list[float]:
+    def parse(_: str) -> Logged:
         figures = json.loads(out.read_text())
-        return [figures["tokens_per_step"] / sec for sec in figures["step_seconds"]]
+        speeds = [figures["tokens_per_step"] / sec for sec in figures["step_seconds"]]
+        return speeds, int(figures["params"]), float(figures["losses"][0])
 
     side = "plain compiled" if compiled else "plain eager"
     return measure(side, 1, cmd, child_env(settings, 1, profile=profile), work, settings, parse)
 
 
-TITAN_STEP = re.compile(r"step:\s*(\d+)\s.*?tps:\s*([\d,]+)")
-LITGPT_STEP = re.compile(r"iter (\d+) step \d+ \|.*?iter time: ([\d.]+) ms")
+TITAN_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?tps:\s*([\d,]+)")
+TITAN_PARAMS = re.compile(r"size: ([\d,]+) total parameters")
+LITGPT_STEP = re.compile(r"iter (\d+) step \d+ \| loss train: ([\d.]+).*?iter time: ([\d.]+) ms")
+LITGPT_PARAMS = re.compile(r"Total parameters: ([\d,]+)")
 
 
 def run_torchtitan(
@@ -464,10 +478,12 @@ def run_torchtitan(
     cmd += ["--compile.enable"] if compiled else []
     env = child_env(settings, procs, settings.peer_spec(procs, work / "out"), profile)
 
-    def parse(log: str) -> list[float]:
+    def parse(log: str) -> Logged:
         # `tps` is tokens per second per data-parallel rank, over the step since the previous log line.
-        steps = {int(m[1]): float(m[2].replace(",", "")) * procs for m in TITAN_STEP.finditer(log)}
-        return [steps[i] for i in sorted(steps)]
+        steps = {int(m[1]): (float(m[3].replace(",", "")) * procs, float(m[2])) for m in TITAN_STEP.finditer(log)}
+        params = TITAN_PARAMS.search(log)
+        return ([steps[i][0] for i in sorted(steps)], int(params[1].replace(",", "")) if params else None,
+                steps[min(steps)][1])  # fmt: skip
 
     return measure("torchtitan compiled" if compiled else "torchtitan", procs, cmd, env, work, settings, parse)
 
@@ -478,10 +494,12 @@ def run_litgpt(settings: Settings, procs: int, python: str, work: Path, profile:
     env = child_env(settings, procs, settings.peer_spec(procs, work / "out"), profile)
     tokens = settings.batch_tokens
 
-    def parse(log: str) -> list[float]:
+    def parse(log: str) -> Logged:
         # `iter time`: from after the batch is fetched to after the loss is read back, per iteration (= step).
-        steps = {int(m[1]): tokens / (float(m[2]) / 1000) for m in LITGPT_STEP.finditer(log)}
-        return [steps[i] for i in sorted(steps)]
+        steps = {int(m[1]): (tokens / (float(m[3]) / 1000), float(m[2])) for m in LITGPT_STEP.finditer(log)}
+        params = LITGPT_PARAMS.search(log)
+        return ([steps[i][0] for i in sorted(steps)], int(params[1].replace(",", "")) if params else None,
+                steps[min(steps)][1])  # fmt: skip
 
     return measure("litgpt", procs, cmd, env, work, settings, parse)
 
@@ -536,6 +554,8 @@ def summarize(runs: list[Run], settings: Settings) -> dict[str, Any]:
         row["lmforge_over_side"] = base.tokens_per_s / r.tokens_per_s if ok and base else None
         row["lmforge_compiled_over_side"] = fast.tokens_per_s / r.tokens_per_s if ok and fast else None
         row["lmforge_over_side_memory"] = base.peak_rss_mib / r.peak_rss_mib if ok and base else None
+        # Every side must build the same model: its own count of parameters equals lmforge's.
+        row["same_params"] = (r.params == base.params) if ok and base and r.params is not None else None
         rows.append(row)
     return {"settings": asdict(settings), "torch": torch.__version__, "sides": rows}
 
@@ -554,7 +574,8 @@ def print_report(summary: dict[str, Any], console: Any) -> None:
         "side's runs (range: its slowest and fastest); peak RSS: the "
         "largest peak resident set of any process of the side (imports and compilers included); lmforge / side: "
         "lmforge (eager, or compiled) at the same number of processes and allocator setting over the side (above 1: "
-        "lmforge is faster, or uses more memory)."
+        "lmforge is faster, or uses more memory); parameters: as the side counts them, which must equal lmforge's "
+        "(the same model); first loss: the first step's, before any update, which depends on each side's own init."
     )
     if any(row["status"] == "ok" and row["foreign_cores"] > FOREIGN_LIMIT for row in summary["sides"]):
         console.print(
@@ -573,14 +594,16 @@ def _print_table(summary: dict[str, Any], allocator: str, console: Any) -> None:
     )
     columns = ["side", "processes", "tokens/s\n(median)", "range", "peak RSS MiB\n(largest process)",
                "lmforge / side\ntokens/s", "lmforge compiled\n/ side tokens/s", "lmforge / side\npeak memory",
-               "notes"]  # fmt: skip
+               "parameters", "first\nloss", "notes"]  # fmt: skip
     table = common.result_table(title, columns, left={"side", "notes"})
     for row in (r for r in summary["sides"] if r["allocator"] == allocator):
         if row["status"] != "ok":
-            missing = ["-"] * 6
+            missing = ["-"] * 8
             table.add_row(row["side"], str(row["procs"]), *missing, f"{row['status']}: {row['reason']}")
             continue
-        note = f"other processes: {row['foreign_cores']:.2f} cores" if row["foreign_cores"] > FOREIGN_LIMIT else ""
+        notes = [f"other processes: {row['foreign_cores']:.2f} cores"] if row["foreign_cores"] > FOREIGN_LIMIT else []
+        notes += ["NOT THE SAME MODEL: its parameter count differs from lmforge's"] * (row["same_params"] is False)
+        params = f"{row['params']:,}" if row["params"] is not None else "-"
         table.add_row(
             row["side"],
             str(row["procs"]),
@@ -590,7 +613,9 @@ def _print_table(summary: dict[str, Any], allocator: str, console: Any) -> None:
             _ratio(row["lmforge_over_side"], row["side"] == "lmforge"),
             _ratio(row["lmforge_compiled_over_side"], row["side"] == "lmforge compiled"),
             _ratio(row["lmforge_over_side_memory"], row["side"] == "lmforge"),
-            note,
+            params,
+            f"{row['first_loss']:.4f}",
+            "; ".join(notes),
         )
     console.print(table)
 

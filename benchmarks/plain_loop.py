@@ -315,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         losses.append(loss)
         print(f"step {step} loss {loss:.4f} time {seconds[-1]:.4f} s tokens/s {tokens / seconds[-1]:.1f}", flush=True)
     if args.json is not None:
-        figures: dict[str, Any] = {"tokens_per_step": tokens, "step_seconds": seconds, "losses": losses}
+        params = sum(p.numel() for p in trainer.model.parameters())
+        figures: dict[str, Any] = {"tokens_per_step": tokens, "step_seconds": seconds, "losses": losses,
+                                   "params": params}  # fmt: skip
         args.json.write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
     return 0 if all(math.isfinite(x) for x in losses) else 1
 
