@@ -62,6 +62,9 @@ def check_peers(figures: Any, result: Result, tmp_path: Path) -> None:
         assert len(rows[side]["step_tokens_per_s"]) == 3  # 1 warmup + 2 timed steps
         assert every[("default", *side)]["status"] == "ok"
     assert rows[("plain eager", 1)]["lmforge_over_side"] > 0
+    # every side counts the parameters of the model it built, and they must equal lmforge's
+    assert rows[("lmforge", 1)]["params"] > 0 and rows[("plain eager", 1)]["same_params"] is True
+    assert all(math.isfinite(rows[side]["first_loss"]) for side in (("lmforge", 1), ("plain eager", 1)))
     peers = [row for row in rows.values() if row["side"] in ("torchtitan", "litgpt")]
     assert {(row["side"], row["procs"]) for row in peers} == {(p, n) for p in ("torchtitan", "litgpt") for n in (1, 2)}
     assert all(row["status"] == "skipped" for row in peers)
