@@ -22,7 +22,6 @@ coeff x the mean segment loss without another term in the model's return value.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,6 +31,7 @@ from torch import Tensor, nn
 
 from lmforge.config.arch import MoESpec
 from lmforge.model.attention import DocumentMask
+from lmforge.model.dispatch import ExpertExchange, dispatch_order, inverse_permutation
 from lmforge.model.grouped_mm import grouped_mm
 from lmforge.model.mlp import MLP
 
@@ -41,18 +41,11 @@ reference: one matmul pair per expert, with the counts read on the host), `auto`
 the shapes meet its 16-byte alignment, else loop)."""
 
 
-ExpertExchange = Callable[[Tensor, Tensor, Callable[[Tensor, Tensor], Tensor]], Tensor]
-"""How routed copies reach experts held by other ranks (expert parallelism, passed in by `lmforge.parallel.experts`):
-(copies sorted by expert, copies per routed expert [E], `compute`) -> the copies' outputs in the same order, where
-`compute(rows, counts)` runs this rank's experts on rows sorted by local expert, `counts` [E / ep] of each."""
-
-
-def inverse_permutation(order: Tensor) -> Tensor:
-    """The permutation that undoes `order` (ys[inverse] puts rows sorted by `order` back in place); an index
-    scatter of positions, so gathers stay deterministic on CUDA."""
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return inverse
+def sign_rule(tokens_per_expert: Tensor, coeff: float) -> Tensor:
+    """DeepSeek-V3's change of a selection bias from the step's global token counts: +coeff for every expert that
+    got fewer tokens than the mean, -coeff for the others (0 at the mean), in float32 on the counts' device."""
+    counts = tokens_per_expert.to(torch.float32)
+    return coeff * torch.sign(counts.mean() - counts)
 
 
 @dataclass
@@ -119,8 +112,7 @@ class Router(nn.Module):
         rank, so every rank's bias stays equal). Returns the change applied."""
         if not self.spec.selection_bias:
             raise ValueError("this router has no selection bias to update (only GLM-4.5-style routers do)")
-        counts = tokens_per_expert.to(self.e_score_correction_bias.device, torch.float32)
-        delta = coeff * torch.sign(counts.mean() - counts)
+        delta = sign_rule(tokens_per_expert.to(self.e_score_correction_bias.device), coeff)
         self.e_score_correction_bias.add_(delta.to(self.e_score_correction_bias.dtype))
         return delta
 
@@ -159,18 +151,6 @@ class Router(nn.Module):
         """Zero the selection bias (the state of a freshly initialized router)."""
         if self.spec.selection_bias:
             self.e_score_correction_bias.zero_()
-
-
-def dispatch_order(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
-    """The (token, slot) pairs of indices [T, k] sorted by expert (stable), and int64 token counts per expert.
-
-    The counts come from scatter_add_, not bincount, which reads the maximum on the host on CUDA.
-    """
-    flat = indices.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    return order, counts
 
 
 ExpertGlu = Literal["swiglu", "situ_glu"]

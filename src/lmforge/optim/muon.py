@@ -179,10 +179,10 @@ class Muon(torch.optim.Optimizer):
     matrices without a gradient on every rank are skipped (as torch skips them, e.g. frozen ones), and a gradient on
     some ranks only raises a RuntimeError on every rank instead of hanging. Then one `all_to_all_single` sends each
     owner every rank's rows of `u` (one flat buffer for all matrices; exact sizes, no padding); the owner runs
-    Newton–Schulz on the whole matrix, so each matrix is
-    orthogonalized exactly once in the job; a second `all_to_all_single` sends every rank its rows of `O` back, and
-    each rank applies its own rows. The exchange buffers hold about one sharded copy of the matrices per rank.
-    Plain tensors, meshes of one rank and replicated DTensors take the local path, with no collectives. The
+    Newton–Schulz on the whole matrix, so each matrix is orthogonalized exactly once in the job; a second
+    `all_to_all_single` sends every rank its rows of `O` back, and each rank applies its own rows. The exchange
+    buffers hold about one sharded copy of the matrices per rank. Plain tensors, meshes of one rank and replicated
+    DTensors take the local path, with no collectives. The
     collectives run on the device of the local shards, which the group's backend must support (so FSDP2's CPU
     offload under NCCL is not supported). Of sharded matrix layouts only `Shard(0)` over a 1-D mesh is supported;
     others raise.

@@ -34,7 +34,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from lmforge.model.moe import Experts, inverse_permutation
+from lmforge.model.dispatch import inverse_permutation
+from lmforge.model.moe import Experts
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from lmforge.checkpoint.layout import CHECKPOINTS, MODEL_FILES, read_latest, step_name
+from lmforge.checkpoint.layout import MODEL_FILES
 from lmforge.checkpoint.load import load_checkpoint
 from lmforge.config.train import TrainConfig
 from lmforge.data.batch import MicroBatch
@@ -35,7 +34,7 @@ from lmforge.model.fp8 import describe_fp8, precompute_fp8_scales, uses_fp8_all_
 from lmforge.model.init import init_weights
 from lmforge.model.llama import CausalLM
 from lmforge.model.roles import param_role
-from lmforge.monitor import Monitors, RecordError
+from lmforge.monitor import Monitors
 from lmforge.optim import Optimizers, OptimizerStep, build_optimizer
 from lmforge.parallel.context import shard_micro_batch
 from lmforge.parallel.model_setup import build_run_model
@@ -51,10 +50,11 @@ from lmforge.train.callbacks.spike_flags import SpikeFlags
 from lmforge.train.callbacks.validation import Validation
 from lmforge.train.flops import FlopCounter, attended_pairs, param_counts, peak_flops
 from lmforge.train.host_memory import retain_freed_memory
-from lmforge.train.logs import close_logger, log_failure, rank_logger
+from lmforge.train.logs import close_logger, rank_logger
 from lmforge.train.metrics import peak_memory_gib, perplexity, reduce_step_stats
 from lmforge.train.micro_batches import MicroBatchStats, rerun_without_nonfinite, run_micro_batches
 from lmforge.train.preemption import StopRequest
+from lmforge.train.record import RunRecord
 
 
 class Trainer:
@@ -98,9 +98,9 @@ class Trainer:
     """What ended the loop early (a signal name), None otherwise."""
     fp8_all_gather: bool
     """Whether FSDP all-gathers float8 weights, whose scales are precomputed after each optimizer step."""
-    record_failure: str | None
-    """The first failed write of this rank's record (metrics.jsonl on rank 0, its log file): the ranks learn of it
-    in the next step's reduction and stop (`RecordError`)."""
+    record: RunRecord
+    """The run's record on this rank (its monitors and log file); a failed write stops every rank at the next step
+    (`lmforge.train.record`)."""
 
     def __init__(
         self,
@@ -119,7 +119,6 @@ class Trainer:
         self.run_dir = Path(config.output_dir)
         self.step = self.tokens_seen = 0
         self.stop_agreed, self.stopped_by = False, None
-        self.record_failure = None
         self.tokenizer = load_tokenizer(config.tokenizer.name) if config.tokenizer.name else None
         # Every rank of a context-parallel group trains on the same rows: they are dealt per data-parallel rank.
         source = build_step_data(config.data, ctx.dp_rank, ctx.dp_size, self.tokenizer)
@@ -166,6 +165,7 @@ class Trainer:
             if cb.name in saved:
                 cb.load_state_dict(saved[cb.name])
         self.monitors = build_monitors(config, ctx.is_main, console, self.step)
+        self.record = RunRecord(self.monitors, self.log, ctx, self.run_dir)
 
     def _initialize_weights(self, scale: Any) -> None:
         config = self.config
@@ -224,7 +224,7 @@ class Trainer:
         stats = run_micro_batches(self.model, micro_batches, device, defer)
         sums, maxes = self._reduce(stats, micro_batches, data_wait, stop)
         if maxes["record_failed"] > 0:
-            raise self._record_stopped()  # before the update: the run resumes from its last checkpoint
+            raise self.record.stopped(self.step)  # before the update: the run resumes from its last checkpoint
         self.stop_agreed = maxes["stop"] > 0
         if sums["nan_count"] > 0:
             # Rare: redo the step without the bad micro-batches (on every rank, so FSDP collectives match). The
@@ -270,45 +270,8 @@ class Trainer:
         for cb in self.callbacks:
             sums.update(cb.step_sums(self))
         maxes = {"data_wait": wait, "peak_memory": memory, "stop": torch.tensor(float(stop), device=device),
-                 "record_failed": torch.tensor(float(self.record_failed()), device=device)}  # fmt: skip
+                 "record_failed": torch.tensor(float(self.record.failed()), device=device)}  # fmt: skip
         return reduce_step_stats(sums, maxes)
-
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        """Send a step's metrics to the monitors; a failed write of metrics.jsonl is kept in `record_failure` (the
-        run stops at the next step's reduction, on every rank)."""
-        try:
-            self.monitors.log(step, metrics)
-        except RecordError as e:
-            self.record_failure = self.record_failure or str(e)
-
-    def record_failed(self) -> bool:
-        """Whether a write of this rank's record (metrics.jsonl, its log file) has failed."""
-        self.record_failure = self.record_failure or log_failure(self.log)
-        return self.record_failure is not None
-
-    def _record_stopped(self, agreed: bool = True) -> RecordError:
-        """The error every rank raises once some rank's record failed (`agreed`: every rank calls this, and the
-        message is the first failure of any rank; else this rank's own), with where the run can continue from
-        (no checkpoint is committed after the step whose record failed)."""
-        failures = [self.record_failure]
-        if agreed and self.ctx.world_size > 1:
-            failures = [None] * self.ctx.world_size
-            dist.all_gather_object(failures, self.record_failure)
-        rank, failure = next((r, f) for r, f in enumerate(failures) if f is not None)
-        latest = read_latest(self.run_dir / CHECKPOINTS)
-        resume = (f"continue from {step_name(latest)} with --resume.step latest once the disk has room"
-                  if latest is not None else "no checkpoint was committed: the run starts over")  # fmt: skip
-        where = f" (on rank {rank})" if self.ctx.world_size > 1 else ""
-        return RecordError(f"{failure}{where}; the run record must not go silent, so training stopped after step "
-                           f"{self.step}: {resume}")  # fmt: skip
-
-    def _agree_on_the_record(self) -> None:
-        """After the last step: stop every rank if any rank's record failed (one MAX all-reduce)."""
-        failed = torch.tensor(float(self.record_failed()), device=self.ctx.device)
-        if self.ctx.world_size > 1:
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed.item() > 0:
-            raise self._record_stopped()
 
     def _grad_squares(self) -> dict[str, torch.Tensor]:
         """This rank's per-group squared gradient norms under their names in the step's SUM reduction."""
@@ -371,11 +334,11 @@ class Trainer:
                     self.stopped_by = stop.signal_name or "a stop signal on another rank"
                     break
             # Before the end of training commits the last checkpoint: not if its step's record is missing.
-            self._agree_on_the_record()
+            self.record.agree(self.step)
             for cb in self.callbacks:
                 cb.on_train_end(self)
-            if self.record_failed():  # a line logged at the end (validation's last round) could not be written
-                raise self._record_stopped(agreed=False)
+            if self.record.failed():  # a line logged at the end (validation's last round) could not be written
+                raise self.record.stopped(self.step, agreed=False)
         except BaseException:
             self.log.exception("training stopped by an exception at step %d", self.step)
             raise

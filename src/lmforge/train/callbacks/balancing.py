@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from lmforge.config.model import MoEBalanceConfig
 from lmforge.data.batch import MicroBatch
-from lmforge.model.moe import MoE
+from lmforge.model.moe import MoE, sign_rule
 from lmforge.train.callbacks.base import Callback
 
 if TYPE_CHECKING:
@@ -284,14 +284,12 @@ class MoEBalancer(Callback):
         return self._bias if self._bias is not None else self.read_biases()
 
     def _sign_update(self, counts: np.ndarray) -> list[Tensor]:
-        """DeepSeek-V3's sign rule on the host copy: each balanced block's bias moves by coeff towards its
-        under-loaded experts, computed in float32 as the router's own rule (`Router.update_selection_bias`) does,
-        then uploaded; returns the changes."""
+        """DeepSeek-V3's sign rule (`sign_rule`) on the host copy: each balanced block's bias moves by coeff towards
+        its under-loaded experts, then is uploaded; returns the changes."""
         bias, deltas = self._biases(), []
         rows = [row for row, block in enumerate(self.blocks) if block.spec.selection_bias]
         for i, (row, block) in enumerate(zip(rows, self.balanced, strict=True)):
-            load = torch.from_numpy(counts[row]).to(torch.float32)
-            delta = self.coeff * torch.sign(load.mean() - load)
+            delta = sign_rule(torch.from_numpy(counts[row]), self.coeff)
             bias[i] += delta.to(bias.dtype)
             block.gate.set_bias(bias[i])
             deltas.append(delta)

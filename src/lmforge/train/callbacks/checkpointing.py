@@ -38,7 +38,7 @@ class Checkpointing(Callback):
     def on_step_start(self, trainer: Trainer, micro_batches: Sequence[MicroBatch]) -> None:
         """Commit the checkpoint the previous step wrote, now that its metrics are logged; not when they could not
         be (the run stops in this step, and a resume from `latest` replays that step and logs it)."""
-        if not trainer.record_failed():
+        if not trainer.record.failed():
             self.checkpointer.poll()
 
     def after_optimizer_step(self, trainer: Trainer, metrics: dict[str, float]) -> None:

@@ -56,7 +56,7 @@ class Reporting(Callback):
         """A fresh run logs step 0: the parameter counts and the data's own figures; the attention backend and the
         data's startup line are shown on the console (the log files have them too)."""
         if trainer.step == 0:
-            trainer.log_metrics(0, {**trainer.params, **trainer.data_summary.metrics})
+            trainer.record.write(0, {**trainer.params, **trainer.data_summary.metrics})
         self._print(trainer, f"attention {describe_backend(trainer.model.attn_backend, trainer.ctx.device)}")
         for line in trainer.data_summary.lines:
             trainer.log.info(line)
@@ -70,7 +70,7 @@ class Reporting(Callback):
             console.update(step, metrics)
         marked = "time/val" in metrics or "time/save_ckpt" in metrics
         if marked or step % self.interval == 0 or step in (1, self.max_steps):
-            trainer.log_metrics(step, metrics)
+            trainer.record.write(step, metrics)
             trainer.log.info(format_line(step, self.max_steps, metrics))
 
     def on_train_end(self, trainer: Trainer) -> None:

@@ -30,7 +30,7 @@ class Validation(Callback):
         if trainer.stopped_by is not None or not self.cfg.eval_on_end:
             return
         if not (self.cfg.interval and trainer.step % self.cfg.interval == 0):
-            trainer.log_metrics(trainer.step, self._evaluate(trainer))
+            trainer.record.write(trainer.step, self._evaluate(trainer))
 
     def _evaluate(self, trainer: Trainer) -> dict[str, float]:
         arrays = self.validator.arrays_dir(trainer.run_dir, trainer.step)
