@@ -1,8 +1,9 @@
 """Launchers that run torchtitan and litgpt on the CPU for `peers.py`, inside each peer's own virtual environment.
 
 This file runs under the peer's interpreter (`benchmarks/.peers/<name>/bin/python`), which has torch and the peer
-but not lmforge, so it imports only the standard library, torch and the peer. `peers.py` passes the run's settings
-(model shape, batch, steps, optimizer) as JSON in the `PEER_SPEC` environment variable:
+but not lmforge, so it imports only the standard library, torch (with numpy and safetensors, which both peers
+install) and the peer. `peers.py` passes the run's settings (model shape, batch, steps, optimizer, and the files of
+the shared start) as JSON in the `PEER_SPEC` environment variable:
 
     PEER_SPEC='{...}' torchrun --nproc-per-node N benchmarks/peer_shims.py torchtitan [torchtitan flags]
     PEER_SPEC='{...}' python benchmarks/peer_shims.py litgpt
@@ -12,6 +13,11 @@ With `PEER_PROFILE`, every side (`run` launches lmforge and the plain loop the s
 steps START+1 .. START+COUNT with `torch.profiler` on rank 0 and writes the table of its top operators, by time
 spent in the operator itself, to OUT. The steps are counted by a hook on every `torch.optim` optimizer's step, the
 one place all sides share, so no side's own code is changed.
+
+Every side of the comparison starts from the same weights and trains on the same tokens: `peers.py` writes
+lmforge's initial weights (a safetensors file under Hugging Face Llama names) and the token windows of lmforge's
+steps (a .npy), and each peer loads them here into its own model and data path (`start_weights`,
+`start_windows`); the peer's trainer, optimizer and step stay its own.
 
 What each peer gets from here, and why (everything else is the peer's own code and defaults):
 
@@ -24,11 +30,13 @@ What each peer gets from here, and why (everything else is the peer's own code a
   names a function that returns a `Trainer.Config`): `titan_config` builds one for the benchmark's Llama with
   torchtitan's own layer builder and inits. Flex attention, torchtitan's attention for language models, has no
   backward on the CPU, so the layers get torchtitan's SDPA module instead (causal; every row is one document).
-  Its text loaders read Hugging Face datasets and need a tokenizer, so `titan_config` plugs in a loader of random
-  tokens and a tokenizer that is never called.
+  Its text loaders read Hugging Face datasets and need a tokenizer, so `titan_config` plugs in a loader of the
+  shared windows and a tokenizer that is never called. The shared weights are copied in right after torchtitan's
+  own init (`init_weights`, once the model is sharded), mapped to its names and layouts (`titan_weights`).
 - litgpt 0.5.13 runs on the CPU as it is; `run_litgpt` calls `litgpt.pretrain.setup` (the function behind
-  `litgpt pretrain`) with a `litgpt.Config` of the same Llama and a data set of random tokens, since its
-  pretraining data modules download and tokenize corpora.
+  `litgpt pretrain`) with a `litgpt.Config` of the same Llama, the shared weights as its initial checkpoint
+  (`lit_weights`) and a data set of the shared windows, since its pretraining data modules download and tokenize
+  corpora.
 """
 
 from __future__ import annotations
@@ -54,6 +62,44 @@ PROFILE_ROWS = 25
 def spec() -> dict[str, Any]:
     """The run's settings, from `PEER_SPEC`."""
     return json.loads(os.environ[SPEC_ENV])
+
+
+# ---------------------------------------------------------------------------------------------- the shared start
+
+
+def start_weights() -> dict[str, Any]:
+    """The initial weights every side starts from (`PEER_SPEC`'s `weights`): a safetensors file of lmforge's
+    model under Hugging Face Llama names, fp32."""
+    from safetensors.torch import load_file
+
+    return load_file(spec()["weights"])
+
+
+def start_windows() -> Any:
+    """The token windows of every step (`PEER_SPEC`'s `windows`): int64 [N, seq_len + 1], step k's windows at rows
+    k x W .. (k + 1) x W - 1 (W windows per step over all ranks), data-parallel rank r of P taking the r-th P-th."""
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.load(spec()["windows"])).long()
+
+
+def window_rows(windows: Any, step: int, rank: int, ranks: int, rows: int) -> Any:
+    """Rank `rank`'s `rows` windows of step `step` (from 0), from the start again after the last window."""
+    import torch
+
+    first = (step * ranks + rank) * rows
+    return windows[torch.arange(first, first + rows) % windows.shape[0]]
+
+
+def _layer_weights(hf: dict[str, Any], layer: int) -> dict[str, Any]:
+    """One decoder layer's tensors by their short Llama names (`q_proj`, `input_layernorm`, ...)."""
+    prefix = f"model.layers.{layer}."
+    return {name[len(prefix) :].rsplit(".", 2)[-2]: t for name, t in hf.items() if name.startswith(prefix)}
+
+
+def _num_layers(hf: dict[str, Any]) -> int:
+    return 1 + max(int(name.split(".")[2]) for name in hf if name.startswith("model.layers."))
 
 
 # ---------------------------------------------------------------------------------------------- profiling
@@ -282,29 +328,32 @@ def titan_config() -> Any:
 
 
 def _titan_plugins() -> tuple[type, type]:
-    """torchtitan's extension points for data: a loader of random tokens and a tokenizer that is never called.
+    """torchtitan's extension points for data: a loader of the shared windows and a tokenizer that is never called.
 
     Defined on first use: they subclass torchtitan's classes, which must not be imported before `cpu_shim`."""
     import torch
     from torchtitan.components.dataloader import BaseDataLoader
     from torchtitan.components.tokenizer import BaseTokenizer
 
-    class RandomTokens(BaseDataLoader):
-        """Rows of uniform random tokens, each one document, from a seed per rank. No `positions`: with them,
+    class SharedWindows(BaseDataLoader):
+        """This rank's rows of `start_windows`, step after step, each row one document. No `positions`: with them,
         torchtitan would build a document mask, which its SDPA module cannot take."""
 
         @dataclasses.dataclass(kw_only=True, slots=True)
         class Config(BaseDataLoader.Config):
             pass
 
-        def __init__(self, config: Any, *, dp_rank: int, seq_len: int, local_batch_size: int, **_: Any) -> None:
-            s = spec()
-            self.vocab, self.rows, self.seq_len = s["vocab_size"], local_batch_size, seq_len
-            self.gen = torch.Generator().manual_seed(s["seed"] * 1000 + dp_rank)
+        def __init__(self, config: Any, *, dp_rank: int, dp_world_size: int, seq_len: int, local_batch_size: int,
+                     **_: Any) -> None:  # fmt: skip
+            self.windows, self.rank, self.ranks, self.rows = start_windows(), dp_rank, dp_world_size, local_batch_size
+            if self.windows.shape[1] != seq_len + 1:
+                raise ValueError(f"windows of {self.windows.shape[1]} tokens for seq_len {seq_len}")
 
         def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+            step = 0
             while True:
-                tokens = torch.randint(0, self.vocab, (self.rows, self.seq_len + 1), generator=self.gen)
+                tokens = window_rows(self.windows, step, self.rank, self.ranks, self.rows)
+                step += 1
                 yield {"input": tokens[:, :-1]}, tokens[:, 1:]
 
         def state_dict(self) -> dict[str, Any]:
@@ -314,7 +363,7 @@ def _titan_plugins() -> tuple[type, type]:
             pass
 
     class NoTokenizer(BaseTokenizer):
-        """Stands in for the Hugging Face tokenizer torchtitan loads: random tokens need none."""
+        """Stands in for the Hugging Face tokenizer torchtitan loads: token windows need none."""
 
         @dataclasses.dataclass(kw_only=True, slots=True)
         class Config(BaseTokenizer.Config):
@@ -332,7 +381,92 @@ def _titan_plugins() -> tuple[type, type]:
         def get_vocab_size(self) -> int:
             return int(spec()["vocab_size"])
 
-    return RandomTokens, NoTokenizer
+    return SharedWindows, NoTokenizer
+
+
+def adjacent_rope_pairs(weight: Any, heads: int) -> Any:
+    """A query or key projection [heads x head_dim, dim] with its rows reordered from the half-split RoPE layout
+    (lmforge's and Hugging Face's: channel i turns with channel i + head_dim / 2) to adjacent pairs (torchtitan's
+    complex RoPE: channel 2i turns with channel 2i + 1), at the same frequency. Queries and keys move alike, so
+    their dot products, and with them the attention, stay the same."""
+    rows, cols = weight.shape
+    half = rows // heads // 2
+    # [head, which half, i] -> [head, i, which half]: row i goes to 2i, row half + i to 2i + 1.
+    return weight.reshape(heads, 2, half, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def titan_weights(hf: dict[str, Any], heads: int, kv_heads: int, fused_qkv: bool) -> dict[str, Any]:
+    """The tensors of `start_weights` under torchtitan's Llama 3 parameter names and layouts: queries and keys in
+    adjacent RoPE pairs, and with `fused_qkv` one `wqkv` per layer whose rows go by key/value group (the group's
+    query heads, its key head, its value head)."""
+    import torch
+
+    out = {
+        "tok_embeddings.weight": hf["model.embed_tokens.weight"],
+        "norm.weight": hf["model.norm.weight"],
+        "lm_head.weight": hf["lm_head.weight"],
+    }
+    for i in range(_num_layers(hf)):
+        w = _layer_weights(hf, i)
+        q, k, v = adjacent_rope_pairs(w["q_proj"], heads), adjacent_rope_pairs(w["k_proj"], kv_heads), w["v_proj"]
+        at = f"layers.{i}.attention."
+        if fused_qkv:
+            cols = q.shape[1]
+            groups = [q.reshape(kv_heads, -1, cols), k.reshape(kv_heads, -1, cols), v.reshape(kv_heads, -1, cols)]
+            out[at + "qkv_linear.wqkv.weight"] = torch.cat(groups, dim=1).reshape(-1, cols)
+        else:
+            out |= {at + "qkv_linear.wq.weight": q, at + "qkv_linear.wk.weight": k, at + "qkv_linear.wv.weight": v}
+        out[at + "wo.weight"] = w["o_proj"]
+        out[f"layers.{i}.attention_norm.weight"] = w["input_layernorm"]
+        out[f"layers.{i}.ffn_norm.weight"] = w["post_attention_layernorm"]
+        ffn = f"layers.{i}.feed_forward."
+        out |= {ffn + "w1.weight": w["gate_proj"], ffn + "w3.weight": w["up_proj"], ffn + "w2.weight": w["down_proj"]}
+    return out
+
+
+WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+"""Name parts that wrappers (torch.compile, activation checkpointing, FSDP1) add to a parameter's name."""
+
+
+def copy_weights(model: Any, tensors: dict[str, Any]) -> None:
+    """Copy `tensors` (full, by parameter name) into every parameter of `model`, plain or DTensor (each rank keeps
+    its own shard of the full tensor, which every rank holds); every parameter must be given, and nothing else."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = {}
+    for name, param in model.named_parameters():
+        for part in WRAPPERS:
+            name = name.replace(part, "")
+        params[name] = param
+    if params.keys() != tensors.keys():
+        missing, extra = sorted(params.keys() - tensors.keys()), sorted(tensors.keys() - params.keys())
+        raise KeyError(f"initial weights do not fit the model: missing {missing}, unknown {extra}")
+    with torch.no_grad():
+        for name, param in params.items():
+            full = tensors[name].to(param.dtype)
+            if isinstance(param, DTensor):
+                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            elif tuple(full.shape) != tuple(param.shape):
+                raise ValueError(f"{name}: initial weight {tuple(full.shape)}, parameter {tuple(param.shape)}")
+            param.copy_(full)
+
+
+def _titan_start_weights() -> None:
+    """After torchtitan's own init of a model (`init_weights`, called once the model is sharded and allocated),
+    overwrite its parameters with `start_weights`."""
+    from torchtitan.models.common.attention import FusedQKVLinear
+    from torchtitan.protocols.model import BaseModel
+
+    own_init = BaseModel.init_weights
+
+    def init_then_load(self: Any, **kwargs: Any) -> None:
+        own_init(self, **kwargs)
+        s = spec()
+        fused = any(isinstance(m, FusedQKVLinear) for m in self.modules())
+        copy_weights(self, titan_weights(start_weights(), s["num_heads"], s["num_kv_heads"], fused))
+
+    BaseModel.init_weights = init_then_load  # type: ignore[method-assign]
 
 
 def _sum_reduction_on_gloo() -> None:
@@ -362,6 +496,7 @@ def run_torchtitan(argv: list[str]) -> None:
     Without `--module`/`--config`, the run's config is `titan_config` of this file."""
     cpu_shim()
     _sum_reduction_on_gloo()
+    _titan_start_weights()
     if "--module" not in argv:
         # torchtitan imports the module by name; the folder of this file is on sys.path when it runs as a script.
         argv = ["--module", "peer_shims", "--config", "titan_config", *argv]
@@ -374,28 +509,64 @@ def run_torchtitan(argv: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------- litgpt
 
 
-class RandomRows:
-    """A map-style data set of rows of seq_len + 1 uniform random tokens (pretrain cuts inputs and targets from
-    them), row i drawn from its own seed. At module level and holding only numbers, so that litgpt can pickle it
-    into its checkpoint with the data loader."""
+class WindowRows:
+    """A map-style data set of the rows of `start_windows` (seq_len + 1 tokens each; pretrain cuts inputs and
+    targets from them), row i the i-th window, from the first again after the last: read in order, one batch of W
+    rows is one step's windows. At module level and holding only a path, so that litgpt can pickle it into its
+    checkpoint with the data loader."""
 
-    def __init__(self, vocab_size: int, seq_len: int, seed: int) -> None:
-        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._windows: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.path, self._windows = state["path"], None
 
     def __len__(self) -> int:
         return 2**40  # endless in practice: the run stops at its token budget
 
     def __getitem__(self, index: int) -> Any:
+        import numpy as np
         import torch
 
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        return torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=gen)
+        if self._windows is None:
+            self._windows = torch.from_numpy(np.load(self.path)).long()
+        return self._windows[index % self._windows.shape[0]]
+
+
+def lit_weights(hf: dict[str, Any]) -> dict[str, Any]:
+    """The tensors of `start_weights` under litgpt's `GPT` names: one `attn.qkv` per layer holding the query rows,
+    then the key rows, then the value rows (litgpt splits its output by those sizes); litgpt's RoPE turns the two
+    halves of a head as lmforge's does, so no row moves."""
+    import torch
+
+    out = {
+        "transformer.wte.weight": hf["model.embed_tokens.weight"],
+        "transformer.ln_f.weight": hf["model.norm.weight"],
+        "lm_head.weight": hf["lm_head.weight"],
+    }
+    for i in range(_num_layers(hf)):
+        w, h = _layer_weights(hf, i), f"transformer.h.{i}."
+        out[h + "norm_1.weight"] = w["input_layernorm"]
+        out[h + "attn.qkv.weight"] = torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]])
+        out[h + "attn.proj.weight"] = w["o_proj"]
+        out[h + "norm_2.weight"] = w["post_attention_layernorm"]
+        out[h + "mlp.fc_1.weight"] = w["gate_proj"]
+        out[h + "mlp.fc_2.weight"] = w["up_proj"]
+        out[h + "mlp.proj.weight"] = w["down_proj"]
+    return out
 
 
 def run_litgpt() -> None:
-    """`litgpt.pretrain.setup` for the run in `PEER_SPEC`: the same Llama as a `litgpt.Config`, random tokens,
-    fp32, AdamW at a constant learning rate, one micro-batch per step, no validation or checkpoint between steps
-    (litgpt still writes its final checkpoint after the last step). litgpt compiles the model itself."""
+    """`litgpt.pretrain.setup` for the run in `PEER_SPEC`: the same Llama as a `litgpt.Config`, started from
+    `start_weights` (written as a litgpt checkpoint, its `initial_checkpoint_dir`, which it loads over its own
+    init) and trained on `start_windows`, fp32, AdamW at a constant learning rate, one micro-batch per step, no
+    validation or checkpoint between steps (litgpt still writes its final checkpoint after the last step). litgpt
+    compiles the model itself."""
+    import torch
     from litgpt.args import EvalArgs, TrainArgs
     from litgpt.config import Config
     from litgpt.data import DataModule
@@ -406,8 +577,8 @@ def run_litgpt() -> None:
     devices = s["procs"]
 
     @dataclasses.dataclass
-    class RandomData(DataModule):
-        """A litgpt data module of random tokens."""
+    class WindowData(DataModule):
+        """A litgpt data module of the shared windows."""
 
         batch_size: int = 1
 
@@ -415,10 +586,10 @@ def run_litgpt() -> None:
             self.batch_size = batch_size
 
         def train_dataloader(self) -> DataLoader:
-            return DataLoader(RandomRows(s["vocab_size"], s["seq_len"], s["seed"]), batch_size=self.batch_size)
+            return DataLoader(WindowRows(s["windows"]), batch_size=self.batch_size)
 
         def val_dataloader(self) -> DataLoader:
-            return DataLoader(RandomRows(s["vocab_size"], s["seq_len"], s["seed"] + 1), batch_size=self.batch_size)
+            return DataLoader(WindowRows(s["windows"]), batch_size=self.batch_size)
 
     config = Config(
         name="lmforge-peers-llama",
@@ -460,15 +631,19 @@ def run_litgpt() -> None:
             "weight_decay": s["weight_decay"],
         },
     }
+    initial = Path(s["out_dir"]) / "initial"
+    initial.mkdir(parents=True, exist_ok=True)
+    torch.save(lit_weights(start_weights()), initial / "lit_model.pth")
     # With its final checkpoint litgpt saves its hyperparameters by parsing the command line as `litgpt pretrain`'s
     # arguments; give it the one it requires, the model name, as `litgpt pretrain <name>` would have.
     sys.argv = [sys.argv[0], config.name]
     setup(
         model_name=config.name,
         model_config=config,
+        initial_checkpoint_dir=initial,
         out_dir=Path(s["out_dir"]),
         precision="32-true",
-        data=RandomData(),
+        data=WindowData(),
         train=train,
         eval=EvalArgs(interval=10**9, max_iters=1, initial_validation=False, final_validation=False),
         optimizer=optimizer,

@@ -19,6 +19,12 @@ in one micro-batch per process (8 windows of 512 on one process, 4 per rank on t
   2 CPU processes (its pretraining uses Lightning's FSDP strategy for more than one device, which Lightning allows
   only on GPUs), so that side is reported as skipped.
 
+Every side starts from the same weights and trains on the same tokens: `write_start` saves lmforge's initial
+weights for the run (its own init, from `model.init`'s seed) under Hugging Face Llama names and the token windows of
+every step of lmforge's run (its fake data, from `data.seed`), and the plain loop and the peers load them into their
+own models and data paths (lmforge's side runs as it is: these are its weights and windows). The table checks it:
+each side's first-step loss (before any update) must be within `LOSS_TOLERANCE` of lmforge's.
+
 Every side gets the same allocator: glibc's malloc settings change a step's time by 20-28% on these cores, and
 lmforge sets them for itself. The whole comparison runs once per `--allocators` setting: `lmforge` (its mmap and
 trim thresholds in every side's environment, which lmforge then leaves as they are) and `default` (glibc's own,
@@ -54,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import json
 import math
 import os
@@ -70,12 +77,18 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from safetensors.torch import save_file
 
 import common
 from cpu_load import cpu_busy_s, settle
 from lmforge.config import TrainConfig
 from lmforge.config.loader import dump_toml
+from lmforge.data.fake import fake_window
+from lmforge.hf.names import export_tensors
+from lmforge.model import build_model
+from lmforge.model.init import init_weights
 
 HERE = Path(__file__).resolve().parent
 PEERS_DIR = HERE / ".peers"
@@ -98,6 +111,12 @@ PROFILE_STEPS = 4
 """Steps each side profiles with `--profile`."""
 FOREIGN_LIMIT = 0.1
 """Cores of foreign load above which a side's figure is flagged."""
+LOSS_TOLERANCE = 1e-4
+"""How far a side's first-step loss may be from lmforge's: every side starts from the same weights and windows. Sides
+agree to a few 1e-6; queries and keys in the wrong RoPE layout move the first loss by only 2-4e-4, so the bound is
+tighter than that."""
+OTHER_ATTENTION = ("lmforge doc-masked",)
+"""Sides whose first loss is not compared with lmforge's: document masking changes what each token attends to."""
 
 
 @dataclass(frozen=True)
@@ -140,7 +159,7 @@ class Settings:
         """Windows per process and step."""
         return self.batch_tokens // self.seq_len // procs
 
-    def peer_spec(self, procs: int, out_dir: Path) -> dict[str, Any]:
+    def peer_spec(self, procs: int, out_dir: Path, start: Start) -> dict[str, Any]:
         """What `peer_shims.py` reads from `PEER_SPEC`."""
         steps = self.warmup + self.steps
         return {
@@ -149,6 +168,8 @@ class Settings:
             "local_batch": self.rows(procs),
             "steps": steps,
             "out_dir": str(out_dir),
+            "weights": str(start.weights),
+            "windows": str(start.windows),
         }
 
 
@@ -415,6 +436,37 @@ def lmforge_config(
     )
 
 
+@dataclass(frozen=True)
+class Start:
+    """What every side starts from: lmforge's initial weights and the token windows of lmforge's steps."""
+
+    weights: Path
+    """safetensors, Hugging Face Llama tensor names, fp32."""
+    windows: Path
+    """.npy, int64 [steps x windows per step, seq_len + 1]: step k trains on rows k x W .. (k + 1) x W - 1, rank r of
+    P on the r-th P-th of them (lmforge's layout: ranks take contiguous slices of the step's windows)."""
+
+
+def write_start(settings: Settings, folder: Path) -> Start:
+    """Write the weights lmforge's side starts from and the windows it trains on, computed by lmforge's own code
+    from the config of that side (`lmforge_config`), for the other sides to load.
+
+    lmforge's side itself runs unchanged: its from-scratch init depends only on `model.init` (seed, std) and the
+    parameter names, not on the world size, and its fake windows only on `data.seed` and the window's index, so
+    these are the weights and windows it trains on, on one process or two (the first-loss check confirms it)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = lmforge_config(settings, 1, folder)
+    arch, init, data = config.model.arch, config.model.init, config.data
+    assert arch is not None and init.scheme == "normal" and data.type == "fake", "the benchmark's config changed"
+    model = build_model(arch, data.vocab_size, "sdpa", torch.device("cpu"))
+    init_weights(model, init.std, init.seed, init.truncate)
+    start = Start(folder / "weights.safetensors", folder / "windows.npy")
+    save_file({name: t.contiguous() for name, t in export_tensors(model).items()}, start.weights)
+    count = (settings.warmup + settings.steps) * (settings.batch_tokens // settings.seq_len)
+    np.save(start.windows, np.stack([fake_window(data, i).tokens for i in range(count)]).astype(np.int64))
+    return start
+
+
 def run_lmforge(
     settings: Settings, procs: int, work: Path, profile: Path | None, compiled: bool = False, masked: bool = False
 ) -> Run:
@@ -438,8 +490,9 @@ def run_lmforge(
     return measure(side, procs, cmd, child_env(settings, procs, profile=profile), work, settings, parse)
 
 
-def run_plain(settings: Settings, compiled: bool, work: Path, profile: Path | None = None) -> Run:
-    """The hand-written loop of `plain_loop.py`, one process (through `peer_shims.py run` when profiled)."""
+def run_plain(settings: Settings, compiled: bool, start: Start, work: Path, profile: Path | None = None) -> Run:
+    """The hand-written loop of `plain_loop.py`, one process (through `peer_shims.py run` when profiled), from the
+    weights and on the windows of `start`."""
     s = settings
     shape = {"hidden-size": s.hidden_size, "intermediate-size": s.intermediate_size, "num-layers": s.num_layers,
              "num-heads": s.num_heads, "num-kv-heads": s.num_kv_heads, "vocab-size": s.vocab_size,
@@ -450,6 +503,7 @@ def run_plain(settings: Settings, compiled: bool, work: Path, profile: Path | No
     cmd = [sys.executable, *([] if profile is None else [str(SHIMS), "run"]), str(PLAIN_LOOP)]
     cmd += [f"--{k}={v}" for k, v in shape.items()]
     cmd += [f"--batch={s.rows(1)}", f"--steps={s.warmup + s.steps}", f"--seed={s.seed}", f"--json={out}"]
+    cmd += [f"--init={start.weights}", f"--windows={start.windows}"]
     cmd += ["--compile"] if compiled else []
 
     def parse(_: str) -> Logged:
@@ -468,40 +522,65 @@ LITGPT_PARAMS = re.compile(r"Total parameters: ([\d,]+)")
 
 
 def run_torchtitan(
-    settings: Settings, procs: int, python: str, work: Path, profile: Path | None = None, compiled: bool = False
+    settings: Settings,
+    procs: int,
+    python: str,
+    start: Start,
+    work: Path,
+    profile: Path | None = None,
+    compiled: bool = False,
 ) -> Run:
     """torchtitan's trainer under torchrun (it reads its ranks from torchrun's environment even for one); with
-    `compiled`, its own `--compile.enable` (each transformer block and the loss under `torch.compile`)."""
+    `compiled`, its own `--compile.enable` (each transformer block and the loss under `torch.compile`). The shim
+    loads the weights of `start` after torchtitan's own init and feeds the windows of `start`."""
     cmd = [*torchrun(python, procs), str(SHIMS), "torchtitan"]
     # With torch 2.13, torchtitan's default SPMD backend (spmd_types) rejects the FSDP mesh on more than one rank.
     cmd += ["--parallelism.spmd_backend", "full_dtensor"] if procs > 1 else []
     cmd += ["--compile.enable"] if compiled else []
-    env = child_env(settings, procs, settings.peer_spec(procs, work / "out"), profile)
+    env = child_env(settings, procs, settings.peer_spec(procs, work / "out", start), profile)
 
     def parse(log: str) -> Logged:
-        # `tps` is tokens per second per data-parallel rank, over the step since the previous log line.
+        # `tps` is tokens per second per data-parallel rank, over the step since the previous log line. On more
+        # than one rank (`full_dtensor`) the logged loss is the global mean times the ranks: the loss is a DTensor
+        # that already holds the global mean on every rank, and the logging sums its local values over the ranks.
         steps = {int(m[1]): (float(m[3].replace(",", "")) * procs, float(m[2])) for m in TITAN_STEP.finditer(log)}
         params = TITAN_PARAMS.search(log)
         return ([steps[i][0] for i in sorted(steps)], int(params[1].replace(",", "")) if params else None,
-                steps[min(steps)][1])  # fmt: skip
+                steps[min(steps)][1] / procs)  # fmt: skip
 
     return measure("torchtitan compiled" if compiled else "torchtitan", procs, cmd, env, work, settings, parse)
 
 
-def run_litgpt(settings: Settings, procs: int, python: str, work: Path, profile: Path | None = None) -> Run:
-    """litgpt's `pretrain` through its Python API (one process)."""
+def run_litgpt(
+    settings: Settings, procs: int, python: str, start: Start, work: Path, profile: Path | None = None
+) -> Run:
+    """litgpt's `pretrain` through its Python API (one process), from the weights of `start` (its own
+    `initial_checkpoint_dir`) and on its windows."""
     cmd = [python, str(SHIMS), "litgpt"]
-    env = child_env(settings, procs, settings.peer_spec(procs, work / "out"), profile)
+    env = child_env(settings, procs, settings.peer_spec(procs, work / "out", start), profile)
     tokens = settings.batch_tokens
 
     def parse(log: str) -> Logged:
         # `iter time`: from after the batch is fetched to after the loss is read back, per iteration (= step).
         steps = {int(m[1]): (tokens / (float(m[3]) / 1000), float(m[2])) for m in LITGPT_STEP.finditer(log)}
         params = LITGPT_PARAMS.search(log)
+        # The log line rounds the loss to 3 decimals; its CSV logger keeps every digit.
+        first = litgpt_first_loss(work / "out") if steps else math.nan
         return ([steps[i][0] for i in sorted(steps)], int(params[1].replace(",", "")) if params else None,
-                steps[min(steps)][1])  # fmt: skip
+                first if math.isfinite(first) else steps[min(steps)][1])  # fmt: skip
 
     return measure("litgpt", procs, cmd, env, work, settings, parse)
+
+
+def litgpt_first_loss(out_dir: Path) -> float:
+    """The first iteration's training loss in litgpt's CSV log (`logs/csv/version_*/metrics.csv` under its out
+    dir), NaN if there is none."""
+    for path in sorted(out_dir.glob("logs/csv/*/metrics.csv")):
+        with path.open(encoding="utf-8") as f:
+            for record in csv.DictReader(f):
+                if record.get("iter") and float(record["iter"]) == 1 and record.get("loss"):
+                    return float(record["loss"])
+    return math.nan
 
 
 # ---------------------------------------------------------------------------------------------- installing peers
@@ -556,6 +635,10 @@ def summarize(runs: list[Run], settings: Settings) -> dict[str, Any]:
         row["lmforge_over_side_memory"] = base.peak_rss_mib / r.peak_rss_mib if ok and base else None
         # Every side must build the same model: its own count of parameters equals lmforge's.
         row["same_params"] = (r.params == base.params) if ok and base and r.params is not None else None
+        # ... and start from the same weights on the same windows: its first loss within LOSS_TOLERANCE of lmforge's.
+        compared = ok and base is not None and r.side not in OTHER_ATTENTION
+        row["first_loss_diff"] = abs(r.first_loss - base.first_loss) if compared and base else None
+        row["same_first_loss"] = (row["first_loss_diff"] <= LOSS_TOLERANCE) if compared else None
         rows.append(row)
     return {"settings": asdict(settings), "torch": torch.__version__, "sides": rows}
 
@@ -575,7 +658,9 @@ def print_report(summary: dict[str, Any], console: Any) -> None:
         "largest peak resident set of any process of the side (imports and compilers included); lmforge / side: "
         "lmforge (eager, or compiled) at the same number of processes and allocator setting over the side (above 1: "
         "lmforge is faster, or uses more memory); parameters: as the side counts them, which must equal lmforge's "
-        "(the same model); first loss: the first step's, before any update, which depends on each side's own init."
+        f"(the same model); first loss: the first step's, before any update, which must be within {LOSS_TOLERANCE:g} "
+        "of lmforge's at the same number of processes (every side starts from lmforge's initial weights and trains "
+        "on lmforge's token windows; doc-masked attends within documents, so its loss is not compared)."
     )
     if any(row["status"] == "ok" and row["foreign_cores"] > FOREIGN_LIMIT for row in summary["sides"]):
         console.print(
@@ -603,6 +688,8 @@ def _print_table(summary: dict[str, Any], allocator: str, console: Any) -> None:
             continue
         notes = [f"other processes: {row['foreign_cores']:.2f} cores"] if row["foreign_cores"] > FOREIGN_LIMIT else []
         notes += ["NOT THE SAME MODEL: its parameter count differs from lmforge's"] * (row["same_params"] is False)
+        if row.get("same_first_loss") is False:
+            notes.append(f"NOT THE SAME START: its first loss is {row['first_loss_diff']:.2g} from lmforge's")
         params = f"{row['params']:,}" if row["params"] is not None else "-"
         table.add_row(
             row["side"],
@@ -670,8 +757,9 @@ does not."""
 
 
 def plan_sides(settings: Settings, procs: list[int], peers: list[str], smoke: bool, pythons: dict[str, str],
-               reasons: dict[str, str]) -> list[tuple[str, int, Job]]:  # fmt: skip
-    """Every (side, processes) of the run and its job, in running order."""
+               reasons: dict[str, str], start: Start) -> list[tuple[str, int, Job]]:  # fmt: skip
+    """Every (side, processes) of the run and its job, in running order; the plain loop and the peers start from
+    the weights and train on the windows of `start`."""
     # --smoke leaves compilation out: it alone would take most of the check's time.
     no_compile = SMOKE_NO_COMPILE if smoke else None
     plan: list[tuple[str, int, Job]] = []
@@ -681,8 +769,8 @@ def plan_sides(settings: Settings, procs: list[int], peers: list[str], smoke: bo
         plan.append(("lmforge compiled", n, compiled))
         if n == 1:
             plan.append(("lmforge doc-masked", 1, lambda w, p: run_lmforge(settings, 1, w, p, masked=True)))
-            plan.append(("plain eager", 1, lambda w, p: run_plain(settings, False, w, p)))
-            plan.append(("plain compiled", 1, no_compile or (lambda w, p: run_plain(settings, True, w, p))))
+            plan.append(("plain eager", 1, lambda w, p: run_plain(settings, False, start, w, p)))
+            plan.append(("plain compiled", 1, no_compile or (lambda w, p: run_plain(settings, True, start, w, p))))
         for name in peers:
             if (name, n) in UNSUPPORTED:
                 plan.append((name, n, f"skipped: {UNSUPPORTED[name, n]}"))
@@ -690,10 +778,10 @@ def plan_sides(settings: Settings, procs: list[int], peers: list[str], smoke: bo
                 plan.append((name, n, f"skipped: {reasons[name]}"))
             else:
                 runner = run_torchtitan if name == "torchtitan" else run_litgpt
-                plan.append((name, n, lambda w, p, n=n, f=runner, py=pythons[name]: f(settings, n, py, w, p)))
+                plan.append((name, n, lambda w, p, n=n, f=runner, py=pythons[name]: f(settings, n, py, start, w, p)))
                 if name == "torchtitan":
                     titan_compiled = no_compile or (
-                        lambda w, p, n=n, py=pythons[name]: run_torchtitan(settings, n, py, w, p, compiled=True)
+                        lambda w, p, n=n, py=pythons[name]: run_torchtitan(settings, n, py, start, w, p, compiled=True)
                     )
                     plan.append(("torchtitan compiled", n, titan_compiled))
     return plan
@@ -769,11 +857,12 @@ def main(argv: list[str] | None = None) -> int:
             pythons[name] = str(peer_python(name))
         else:
             reasons[name] = reason
-    plans = {a: plan_sides(replace(settings, allocator=a), procs, peers, args.smoke, pythons, reasons)
-             for a in allocators}  # fmt: skip
     work_root = args.work_dir or Path(tempfile.mkdtemp(prefix="lmforge-peers-"))
-    runs: dict[Key, list[Run]] = {(a, side, n): [] for a, plan in plans.items() for side, n, _ in plan}
     try:
+        start = write_start(settings, work_root / "start")
+        plans = {a: plan_sides(replace(settings, allocator=a), procs, peers, args.smoke, pythons, reasons, start)
+                 for a in allocators}  # fmt: skip
+        runs: dict[Key, list[Run]] = {(a, side, n): [] for a, plan in plans.items() for side, n, _ in plan}
         for allocator, plan in plans.items():
             for r in range(settings.repeats):
                 for side, n, job in common.in_turn(plan, r):

@@ -18,9 +18,12 @@ micro-batch, and compiling it would recompile for every new layout. Rows without
 A step is forward -> `F.cross_entropy(reduction="sum") / step tokens` -> backward per micro-batch, then
 `clip_grad_norm_`, `AdamW.step` (foreach) and `zero_grad`, and one host read of the step's loss.
 
-Run alone, it trains on random tokens and prints each step's time (`peers.py` runs it like this):
+Run alone, it trains on random tokens and prints each step's time. `peers.py` runs it like this, with the initial
+weights (`--init`, a safetensors file of HF Llama tensor names) and the token windows (`--windows`, a .npy of
+[windows, seq_len + 1] token ids, taken in order, `--batch` per step) that every side of its comparison shares:
 
     .venv/bin/python benchmarks/plain_loop.py --steps 12 [--compile] [--batch 8] [--seq-len 512] [--json PATH]
+                                              [--init WEIGHTS.safetensors] [--windows WINDOWS.npy]
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -275,6 +279,21 @@ def random_batch(gen: torch.Generator, batch: int, seq_len: int, vocab_size: int
     return Batch(tokens[:, :-1], tokens[:, 1:])
 
 
+def window_batch(windows: Tensor, step: int, batch: int) -> Batch:
+    """Step `step`'s (from 0) `batch` windows of `windows` [N, seq_len + 1], taken in order (from the start again
+    after the last), no document masking."""
+    rows = torch.arange(step * batch, (step + 1) * batch) % windows.shape[0]
+    tokens = windows[rows]
+    return Batch(tokens[:, :-1], tokens[:, 1:])
+
+
+def load_weights(path: Path) -> dict[str, Tensor]:
+    """A state dict of the model from a safetensors file with its (HF Llama) tensor names."""
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
 # ---------------------------------------------------------------------------------------------- command line
 
 
@@ -294,23 +313,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="init and data seed (default 0)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--json", type=Path, default=None, help="write each step's seconds and loss to this file")
+    p.add_argument("--init", type=Path, default=None, help="start from these weights (safetensors, HF Llama names)")
+    p.add_argument(
+        "--windows", type=Path, default=None,
+        help="train on these token windows (.npy [N, seq_len + 1], in order) instead of random tokens",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train on random tokens, print a line per step and optionally write the step times."""
+    """Train on random tokens (or the given windows), print a line per step and optionally write the step times."""
     args = parse_args(argv)
     shape = LlamaShape(**{k: getattr(args, k) for k in asdict(LlamaShape())})
     optim = OptimSettings(**{k: getattr(args, k) for k in asdict(OptimSettings())})
     seq_len = args.seq_len or shape.max_seq_len
-    trainer = PlainTrainer(shape, optim, compile=args.compile, seed=args.seed)
+    weights = load_weights(args.init) if args.init is not None else None
+    trainer = PlainTrainer(shape, optim, compile=args.compile, state_dict=weights, seed=args.seed)
+    windows = torch.from_numpy(np.load(args.windows)).long() if args.windows is not None else None
+    if windows is not None and windows.shape[1] != seq_len + 1:
+        raise SystemExit(f"plain_loop.py: --windows has rows of {windows.shape[1]} tokens, not seq_len + 1")
     gen = torch.Generator().manual_seed(args.seed)
     tokens = args.batch * seq_len
     seconds: list[float] = []
     losses: list[float] = []
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
-        loss = trainer.step([random_batch(gen, args.batch, seq_len, shape.vocab_size)])
+        if windows is None:
+            batch = random_batch(gen, args.batch, seq_len, shape.vocab_size)
+        else:
+            batch = window_batch(windows, step - 1, args.batch)
+        loss = trainer.step([batch])
         seconds.append(time.perf_counter() - t0)
         losses.append(loss)
         print(f"step {step} loss {loss:.4f} time {seconds[-1]:.4f} s tokens/s {tokens / seconds[-1]:.1f}", flush=True)

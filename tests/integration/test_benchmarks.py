@@ -50,8 +50,8 @@ def check_overhead(figures: Any, result: Result, tmp_path: Path) -> None:
 
 def check_peers(figures: Any, result: Result, tmp_path: Path) -> None:
     """`peers.py --smoke` trains the tiny model with lmforge (1 and 2 processes) and the plain loop under both
-    allocator settings, reports the peers as skipped without installing them, and with `--profile` writes each
-    side's table of top operators."""
+    allocator settings, from the same initial weights and token windows (the same first loss), reports the peers as
+    skipped without installing them, and with `--profile` writes each side's table of top operators."""
     out, profiles = tmp_path / "peers.json", tmp_path / "profiles"  # where run_benchmark and the row put them
     every = {(row["allocator"], row["side"], row["procs"]): row for row in figures["sides"]}
     assert {key[0] for key in every} == {"lmforge", "default"}  # every side under each setting, compared within it
@@ -65,6 +65,11 @@ def check_peers(figures: Any, result: Result, tmp_path: Path) -> None:
     # every side counts the parameters of the model it built, and they must equal lmforge's
     assert rows[("lmforge", 1)]["params"] > 0 and rows[("plain eager", 1)]["same_params"] is True
     assert all(math.isfinite(rows[side]["first_loss"]) for side in (("lmforge", 1), ("plain eager", 1)))
+    # ... and starts from lmforge's weights on lmforge's windows: the same first loss (within 1e-4), on 1 and 2 ranks
+    assert rows[("plain eager", 1)]["same_first_loss"] is True and rows[("plain eager", 1)]["first_loss_diff"] < 1e-4
+    assert abs(rows[("lmforge", 2)]["first_loss"] - rows[("lmforge", 1)]["first_loss"]) < 1e-4
+    assert rows[("lmforge doc-masked", 1)]["same_first_loss"] is None  # other attention: not compared
+    assert "NOT THE SAME" not in result.stdout
     peers = [row for row in rows.values() if row["side"] in ("torchtitan", "litgpt")]
     assert {(row["side"], row["procs"]) for row in peers} == {(p, n) for p in ("torchtitan", "litgpt") for n in (1, 2)}
     assert all(row["status"] == "skipped" for row in peers)
