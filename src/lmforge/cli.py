@@ -14,6 +14,7 @@ from lmforge.commands.errors import BAD_INPUT, fail
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "run the training loop (pretraining or SFT); `lmforge train --help` lists every config field"),
+    "plan": ("plan", "will a config fit in GPU memory, and how fast will it go, on N GPUs (lmforge plan --help)"),
     "slurm": ("slurm", "submit the training as a Slurm job on one or many nodes (lmforge slurm --help)"),
     "tokenizer": ("tokenizer", "tokenizer tools: `lmforge tokenizer train` trains a byte-level BPE on local text"),
     "tokenize": ("tokenize", "turn local text into datatrove token shards"),

@@ -2,7 +2,7 @@
 
 The layers, top to bottom (a module may import its own part and any lower layer, nothing else):
 
-    __main__ -> cli -> commands -> train -> eval -> hf -> checkpoint -> parallel -> optim / prep / viz
+    __main__ -> cli -> commands -> plan -> train -> eval -> hf -> checkpoint -> parallel -> optim / prep / viz
              -> data / model / monitor / launch -> config
 
 Parts that share a layer never import each other. The walk reads every module of the package: imports inside
@@ -35,9 +35,10 @@ LAYERS: dict[str, int] = {
     "hf": 5,
     "eval": 6,
     "train": 7,
-    "commands": 8,
-    "cli": 9,
-    "__main__": 10,
+    "plan": 8,
+    "commands": 9,
+    "cli": 10,
+    "__main__": 11,
 }
 """Layer of each top-level part of the package."""
 

@@ -46,7 +46,7 @@ from lmforge.eval.harness import count_words, harness_requests, rolling_metrics,
 from lmforge.eval.scoring import ScoringRow, pack_requests, score_requests
 from lmforge.eval.sets import EvalSet, Request, build_requests, fit_requests, ppl_tokens, read_eval_dir, set_metrics
 from lmforge.model.loss import IGNORE_INDEX
-from lmforge.parallel.context import ContextShard, shard_micro_batch
+from lmforge.parallel.context import ContextShard, chunk_positions, shard_micro_batch
 
 SCORING_CHUNK = 1024
 """Tokens per LM-head chunk while scoring: fp32 logits without holding them all."""
@@ -242,7 +242,7 @@ class Validator:
         for key, rows in self.rows.items():
             split = [shard_micro_batch(r.batch, self.shard) for r in rows]
             self.rows[key] = [_Row(b, scored_bytes(b, nbytes) if len(nbytes) else 0) for b in split]
-        index = self.shard.index(row_tokens).numpy()
+        index = chunk_positions(row_tokens, self.shard.rank, self.shard.size)
         for choice in self.choices.values():
             rows = choice.rows
             choice.rows = [ScoringRow(shard_micro_batch(r.batch, self.shard), r.request_ids[index]) for r in rows]

@@ -69,7 +69,8 @@ class DocumentMask:
         lens_t = torch.tensor(lens, dtype=torch.int32)
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
         torch.cumsum(lens_t, 0, out=cu[1:])
-        doc_ids = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), lens_t)
+        # The output size from the host: no read of `lens_t` (and the mask can be built on fake tensors).
+        doc_ids = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), lens_t, output_size=sum(lens))
         return cls(
             doc_lens=lens,
             cu_seqlens=cu.to(device, non_blocking=True),

@@ -37,11 +37,17 @@ CP_KERNELS = ("sdpa", "flex", "varlen", "flash")
 def chunk_index(total: int, rank: int, size: int) -> Tensor:
     """int64 positions in a row of `total` tokens that CP rank `rank` of `size` holds: chunk `rank`, then chunk
     `2 size - 1 - rank`, of 2 x size equal chunks."""
+    return torch.from_numpy(chunk_positions(total, rank, size))
+
+
+def chunk_positions(total: int, rank: int, size: int) -> np.ndarray:
+    """`chunk_index` as a numpy array: host index math that stays real under `lmforge plan`'s fake tensors."""
     if total % (2 * size):
         raise ValueError(f"a row of {total} tokens does not split into 2 x cp = {2 * size} equal chunks")
     chunk = total // (2 * size)
     first, second = rank * chunk, (2 * size - 1 - rank) * chunk
-    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+    return np.concatenate([np.arange(first, first + chunk, dtype=np.int64),
+                           np.arange(second, second + chunk, dtype=np.int64)])  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,7 @@ class ContextShard:
 
     def gathered_index(self, total: int) -> Tensor:
         """Row positions of the gathered keys: every rank's tokens, in rank order (CPU)."""
-        return torch.cat([chunk_index(total, r, self.size) for r in range(self.size)])
+        return torch.from_numpy(np.concatenate([chunk_positions(total, r, self.size) for r in range(self.size)]))
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,7 @@ def varlen_layout(doc_lens: list[int], shard: ContextShard) -> VarlenLayout:
     lens = np.asarray(doc_lens, dtype=np.int64)
     doc = np.repeat(np.arange(len(lens)), lens)
     doc_start = np.repeat(np.cumsum(lens) - lens, lens)
-    local = shard.index(total).numpy()
+    local = chunk_positions(total, shard.rank, shard.size)
     breaks = np.flatnonzero((np.diff(local) != 1) | (np.diff(doc[local]) != 0)) + 1
     bounds = np.concatenate([[0], breaks, [len(local)]])
     first, last = local[bounds[:-1]], local[bounds[1:] - 1]

@@ -120,12 +120,16 @@ class ExpertDispatch:
     shard: ExpertShard
     """This rank's expert-parallel group."""
 
+    def sizes(self, counts: Tensor, rows: int) -> Exchange:
+        """The exchange of `rows` sorted copies whose routed counts per expert are `counts` (`plan_exchange`)."""
+        return plan_exchange(counts, self.shard)
+
     # Outside compiled graphs: the exchange sizes are host ints, read from the device.
     @torch.compiler.disable
     def __call__(self, xs: Tensor, counts: Tensor, compute: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
         """Copies `xs` sorted by expert (routed ones first, null ones after them), `counts` [E] routed copies per
         expert -> their outputs in the same order; `compute(rows, local_counts)` runs this rank's experts."""
-        plan = plan_exchange(counts, self.shard)
+        plan = self.sizes(counts, xs.shape[0])
         group = self.shard.group
         assert group is not None
         sent = sum(plan.send)  # the routed copies; null ones sort after them and stay here

@@ -27,10 +27,10 @@ def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
-def fsdp_wraps(cfg: ModelConfig, ctx: DistContext) -> bool:
+def fsdp_wraps(cfg: ModelConfig, ctx: DistContext, target: torch.device | None = None) -> bool:
     """Whether `parallelize` shards the model with FSDP2: on more than one rank, or with low-precision parameters
-    (FSDP's mixed-precision policy keeps the fp32 master weights)."""
-    return ctx.world_size > 1 or resolve_param_dtype(cfg.param_dtype, ctx.device) != torch.float32
+    (FSDP's mixed-precision policy keeps the fp32 master weights) on `target` (default: the rank's device)."""
+    return ctx.world_size > 1 or resolve_param_dtype(cfg.param_dtype, target or ctx.device) != torch.float32
 
 
 FULLGRAPH_BACKENDS = frozenset({"sdpa"})
@@ -67,16 +67,21 @@ def _checkpointed(forward: Callable[..., Any], kwargs: dict[str, Any]) -> Callab
     return run
 
 
-def parallelize(model: CausalLM, blocks: list[nn.Module], cfg: ModelConfig, ctx: DistContext) -> CausalLM:
+def parallelize(
+    model: CausalLM, blocks: list[nn.Module], cfg: ModelConfig, ctx: DistContext, target: torch.device | None = None
+) -> CausalLM:
     """Checkpoint, compile and shard (per block, then the root) a freshly built model, on the rank's device.
-    A model built on the meta device gets storage for this rank's shards only, uninitialized.
+    A model built on the meta device gets storage for this rank's shards only, uninitialized. The kernel under
+    context parallelism and the parameter dtype are those of `target` (default: the rank's device; see
+    `lmforge.parallel.model_setup.build_run_model`).
 
     A single process training in fp32 is not wrapped: FSDP over one rank would only copy parameters and gradients
     (5-10% of a CPU step, docs/benchmarks.md) and computes bit-identical results. With bf16 parameters FSDP's
     mixed-precision policy is what keeps fp32 master weights, so it wraps at any world size.
     """
+    target = target or ctx.device
     if ctx.cp.size > 1:
-        apply_context_parallel(model, replace(ctx.cp, kernel=context_kernel(cfg.attn, ctx.device)))
+        apply_context_parallel(model, replace(ctx.cp, kernel=context_kernel(cfg.attn, target)))
     experts = shard_experts(model, ctx.ep) if ctx.ep.size > 1 else []
     if cfg.ac.mode != "none":
         apply_activation_checkpointing(blocks, cfg.ac.freq, cfg.ac.mode)
@@ -86,9 +91,9 @@ def parallelize(model: CausalLM, blocks: list[nn.Module], cfg: ModelConfig, ctx:
         fullgraph = getattr(model, "attn_backend", None) in FULLGRAPH_BACKENDS and not experts
         for block in blocks:
             block.compile(fullgraph=fullgraph)
-    param_dtype = resolve_param_dtype(cfg.param_dtype, ctx.device)
+    param_dtype = resolve_param_dtype(cfg.param_dtype, target)
     on_meta = any(p.is_meta for p in model.parameters())
-    if not fsdp_wraps(cfg, ctx):
+    if not fsdp_wraps(cfg, ctx, target):
         if not on_meta:
             return model.to(ctx.device)
         model.to_empty(device=ctx.device)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from lmforge.config.loader import ConfigError
 from lmforge.config.train import TrainConfig
 from lmforge.data.tokenizer import TokenizerInfo
@@ -44,18 +46,26 @@ def model_vocab_size(config: TrainConfig, tokenizer: TokenizerInfo | None) -> in
     return padded_vocab_size(config.data.vocab_size)
 
 
-def build_run_model(config: TrainConfig, tokenizer: TokenizerInfo | None, ctx: DistContext) -> CausalLM:
+def build_run_model(
+    config: TrainConfig, tokenizer: TokenizerInfo | None, ctx: DistContext, target: torch.device | None = None
+) -> CausalLM:
     """The configured model, with FP8 linear layers, checkpointed, compiled and sharded (or moved) for this rank as
-    `model` asks, with uninitialized storage: the caller fills the weights (init, checkpoint or HF folder)."""
+    `model` asks, with uninitialized storage: the caller fills the weights (init, checkpoint or HF folder).
+
+    `target` is the device whose choices to make (attention kernel, loss chunking, parameter dtype), by default the
+    rank's own. `lmforge plan` builds on the CPU, on fake tensors, the model a CUDA run would train; the FP8 device
+    check is then the planner's (it knows the target GPU)."""
     arch = config.model.arch
     assert arch is not None, "model.arch is filled in from model.name when the config is loaded"
+    target = target or ctx.device
     vocab = model_vocab_size(config, tokenizer)
-    model = build_model(arch, vocab, config.model.attn, ctx.device, meta=True, compiled=config.model.compile)
-    model.loss_chunk_tokens = resolve_loss_chunk(config.model.loss_chunk_tokens, ctx.device)
+    model = build_model(arch, vocab, config.model.attn, target, meta=True, compiled=config.model.compile)
+    model.loss_chunk_tokens = resolve_loss_chunk(config.model.loss_chunk_tokens, target)
     if config.model.fp8 != "none":
         # Before checkpointing, compilation and sharding, which wrap the converted layers.
-        check_fp8_device(config.model.fp8, config.model.fp8_emulate, ctx.device)
-        gather = fsdp_wraps(config.model, ctx)
+        if target == ctx.device:
+            check_fp8_device(config.model.fp8, config.model.fp8_emulate, ctx.device)
+        gather = fsdp_wraps(config.model, ctx, target)
         apply_fp8(model.blocks, config.model.fp8, config.model.fp8_emulate, fsdp_all_gather=gather)
-    parallelize(model, model.blocks, config.model, ctx)  # in place: the sharded model is the same object
+    parallelize(model, model.blocks, config.model, ctx, target)  # in place: the sharded model is the same object
     return model

@@ -1,0 +1,126 @@
+"""`lmforge plan @ run.toml [--section.field VALUE ...] [--gpus N] [--gpu h100] [--json FILE]`: will this config fit,
+and how fast will it go, on N GPUs? One training step on fake tensors, on this machine's CPU (docs/plan.md).
+
+Plan flags (the rest is the run's config, exactly as `lmforge train` takes it):
+  --gpus N            GPUs of the run (default: [deployment] num_nodes x procs_per_node)
+  --gpus-per-node N   GPUs per node (default: [deployment] procs_per_node when it is over 1, else 8)
+  --gpu NAME          h100 (default), h200, a100, a100-40gb, b200
+  --doc-len N         plan with documents of geometric length, mean N tokens, instead of the run's data
+  --vocab-size N      the vocabulary when the run's tokenizer is not at hand (default 32000)
+  --headroom F        share of GPU memory left free (default 0.1)
+  --no-suggest        when it does not fit, do not plan the changes that would make it fit
+  --json FILE         write every figure to FILE
+
+Exit codes: 0 fits, 1 does not fit, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from lmforge.commands.errors import fail
+
+DOES_NOT_FIT = 1
+"""The exit code of a config whose step does not fit in the GPU's memory."""
+
+_VALUE_FLAGS = {"--gpus": int, "--gpus-per-node": int, "--gpu": str, "--doc-len": float, "--vocab-size": int,
+                "--headroom": float, "--json": str}  # fmt: skip
+
+
+def _split(argv: list[str]) -> tuple[dict[str, object], list[str]]:
+    """The plan's own flags, and the rest (the run's config)."""
+    flags: dict[str, object] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in _VALUE_FLAGS:
+            if i + 1 == len(argv):
+                raise ValueError(f"{arg} needs a value")
+            try:
+                flags[arg] = _VALUE_FLAGS[arg](argv[i + 1])
+            except ValueError:
+                raise ValueError(f"{arg} {argv[i + 1]!r} is not a valid {_VALUE_FLAGS[arg].__name__}") from None
+            i += 2
+        elif arg == "--no-suggest":
+            flags[arg] = True
+            i += 1
+        else:
+            rest.append(arg)
+            i += 1
+    return flags, rest
+
+
+def main(argv: list[str]) -> int:
+    """Plan one step of the config on the target GPUs; returns 0 (fits), 1 (does not fit) or 2 (bad input)."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    try:
+        flags, rest = _split(argv)
+    except ValueError as e:
+        return fail("plan", str(e))
+    from lmforge.config import ConfigError, load_train_config
+
+    gpus = flags.get("--gpus")
+    if gpus is not None and int(gpus) < 1:  # type: ignore[call-overload]
+        return fail("plan", f"--gpus must be at least 1, got {gpus}")
+    try:
+        # Without --gpus, the world size of the config's [deployment] (nodes x processes per node).
+        config, _ = load_train_config(rest, None if gpus is None else int(gpus))  # type: ignore[call-overload]
+    except ConfigError as e:
+        return fail("plan", str(e))
+    deployment = config.deployment
+    world = int(gpus) if gpus is not None else deployment.num_nodes * deployment.procs_per_node  # type: ignore[call-overload]
+    per_node = int(flags.get("--gpus-per-node", deployment.procs_per_node if deployment.procs_per_node > 1 else 8))  # type: ignore[call-overload]
+    from rich.console import Console
+
+    from lmforge.plan.gpus import gpu_spec
+    from lmforge.plan.report import DEFAULT_HEADROOM, PlanReport, render
+
+    try:
+        gpu = gpu_spec(str(flags.get("--gpu", "h100")))
+    except ValueError as e:
+        return fail("plan", str(e))
+    headroom = float(flags.get("--headroom", DEFAULT_HEADROOM))  # type: ignore[arg-type]
+    if not 0 <= headroom < 1:
+        return fail("plan", f"--headroom must be in [0, 1), got {headroom}")
+    if config.model.fp8 != "none" and not config.model.fp8_emulate and not gpu.fp8:
+        return fail("plan", f"model.fp8 = {config.model.fp8!r} needs FP8 tensor cores, which {gpu.name} lacks")
+    from lmforge.plan.fit import suggestions
+    from lmforge.plan.step import plan_step
+
+    doc_len = flags.get("--doc-len")
+    vocab = flags.get("--vocab-size")
+
+    def plan(cfg: object) -> PlanReport:
+        step = plan_step(cfg, world, gpu, per_node, doc_len, vocab)  # type: ignore[arg-type]
+        return PlanReport(step, gpu, world, per_node, headroom)
+
+    from lmforge.plan.step import PlanError
+
+    start = time.perf_counter()
+    try:
+        report = plan(config)
+    except PlanError as e:
+        return fail("plan", str(e))
+    console = Console(highlight=False)
+    render(report, console)
+    console.print(f"planned in {time.perf_counter() - start:.1f} s")
+    result = report.to_json()
+    if not report.fits:
+        hints = [] if flags.get("--no-suggest") else suggestions(config, plan)
+        result["suggestions"] = hints
+        print(
+            f"lmforge plan: does not fit: the step's peak is {report.plan.peak_bytes / 2**30:.2f} GiB per GPU, "
+            f"{report.shortfall_gib:.2f} GiB over the {report.budget_bytes / 2**30:.2f} GiB budget of a "
+            f"{gpu.name}" + (f"; it fits with {' or '.join(hints)}" if hints else
+                             "" if flags.get("--no-suggest") else "; no smaller micro-batch or checkpointing fits"),
+            file=sys.stderr,
+        )  # fmt: skip
+    if "--json" in flags:
+        Path(str(flags["--json"])).write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if report.fits else DOES_NOT_FIT

@@ -1,0 +1,320 @@
+"""One optimizer step of a config on rank 0 of a fake process group of N ranks, on fake tensors.
+
+The model is built and sharded as `lmforge train` builds it on N GPUs (`build_run_model` with the CUDA device's
+choices: its attention kernel, bf16 parameters under `auto`, its loss chunking), the optimizers as the run's,
+and the step is the trainer's own forward/backward loop (`run_micro_batches`) and optimizer update, once to create
+the optimizer state and once measured. Fake tensors have shapes, dtypes and devices but no storage, so any model
+size runs on a CPU in seconds.
+
+Measured on the second step: memory by category at its peak (torch's `FSDPMemTracker`, or `MemTracker` for a
+model FSDP does not wrap), the operators' roofline (`lmforge.plan.roofline`) and the collectives
+(`lmforge.plan.collectives`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from lmforge.config.train import TrainConfig
+from lmforge.data.tokenizer import TokenizerInfo, load_tokenizer
+from lmforge.model.attention import describe_backend
+from lmforge.model.completep import role_scales
+from lmforge.optim import build_optimizer
+from lmforge.parallel.context import shard_micro_batch
+from lmforge.parallel.fsdp import fsdp_wraps, resolve_param_dtype
+from lmforge.parallel.model_setup import build_run_model
+from lmforge.parallel.process_group import DistContext, init_distributed
+from lmforge.plan.batches import plan_batches
+from lmforge.plan.collectives import Collectives, Traffic
+from lmforge.plan.experts import balance_dispatches
+from lmforge.plan.gpus import GpuSpec
+from lmforge.plan.muon import host_row_tables
+from lmforge.plan.roofline import ATTENTION_OPS, Roofline
+from lmforge.train.flops import FlopCounter, attended_pairs
+from lmforge.train.micro_batches import run_micro_batches
+
+CUDA = torch.device("cuda")
+"""The device whose choices the plan makes (its tensors stay fake CPU tensors)."""
+CPU = torch.device("cpu")
+"""Where the fake tensors live."""
+
+CATEGORIES = {
+    "parameters": ("Sharded Param", "Unsharded Param", "Buffer", "Parameter"),
+    "gradients": ("Sharded Grad", "Unsharded Grad", "Gradient"),
+    "optimizer state": ("OptState", "Optstate"),
+    "activations": ("Activation",),
+    "temporaries": ("Temp", "All Gather", "Reduce Scatter", "Inputs", "Input"),
+}
+"""The plan's memory categories and the tracker categories each one sums (FSDPMemTracker's and MemTracker's)."""
+
+
+class PlanError(ValueError):
+    """A config the plan cannot trace; the message says why and what to do."""
+
+
+@dataclass
+class AssumedVocabulary:
+    """Stands in for a tokenizer that is not at hand: all the model build reads of one is its size."""
+
+    size: int
+    """Token ids."""
+
+
+@dataclass
+class Tally:
+    """The roofline's and the collectives' counts at one point of the traced step (differences give a phase's)."""
+
+    seconds: float
+    """Roofline time."""
+    flops: float
+    """FLOPs torch's formulas counted."""
+    uncounted: Counter[str]
+    """Calls without a FLOP formula, by operator."""
+    traffic: dict[str, Traffic]
+    """Collectives by kind."""
+
+    @classmethod
+    def of(cls, roofline: Roofline, comms: Collectives) -> Tally:
+        """The counts so far."""
+        return cls(roofline.seconds, roofline.flops, Counter(roofline.uncounted), comms.snapshot())
+
+    def _combine(self, other: Tally, sign: int) -> Tally:
+        kinds = self.traffic.keys() | other.traffic.keys()
+        traffic = {k: self.traffic.get(k, Traffic()) + other.traffic.get(k, Traffic()).times(sign) for k in kinds}
+        uncounted = Counter(self.uncounted)
+        uncounted.update({k: sign * v for k, v in other.uncounted.items()})
+        return Tally(self.seconds + sign * other.seconds, self.flops + sign * other.flops, +uncounted,
+                     {k: t for k, t in traffic.items() if t.calls})  # fmt: skip
+
+    def __add__(self, other: Tally) -> Tally:
+        return self._combine(other, 1)
+
+    def __sub__(self, other: Tally) -> Tally:
+        return self._combine(other, -1)
+
+    def times(self, n: int) -> Tally:
+        """These counts `n` times over."""
+        return Tally(self.seconds * n, self.flops * n, Counter({k: v * n for k, v in self.uncounted.items()}),
+                     {k: t.times(n) for k, t in self.traffic.items()})  # fmt: skip
+
+
+@dataclass
+class StepPlan:
+    """What one step costs rank 0 of the target world."""
+
+    memory: dict[str, float]
+    """Category -> bytes at the step's peak (`CATEGORIES`, plus `other` for anything the tracker names otherwise)."""
+    peak_bytes: float
+    """Total bytes at the peak."""
+    tokens: int
+    """Tokens this rank computes per step (its share of each row under context parallelism)."""
+    flops: float
+    """This rank's training FLOPs per step by lmforge's counter (`lmforge.train.flops`)."""
+    dense_flops: float
+    """Its 6 x N x tokens part."""
+    traced_flops: float
+    """FLOPs torch's formulas counted on the traced operators."""
+    compute_seconds: float
+    """Roofline time of the operators, attention by formula where torch cannot count it."""
+    comms: dict[str, Traffic]
+    """Collective kind -> traffic of this rank."""
+    comm_seconds: float
+    """Time of the collectives, one after the other."""
+    micro_batches: int
+    """Micro-batches per step on this rank."""
+    batches_source: str
+    """Where the document lengths came from."""
+    choices: dict[str, str]
+    """The CUDA choices the plan made (attention kernel, parameter dtype, loss, checkpointing, FP8, compile)."""
+    notes: list[str] = field(default_factory=list)
+    """What the plan counted by formula or could not give."""
+
+    @property
+    def step_seconds(self) -> float:
+        """Estimated step time: compute, with the collectives overlapped behind it (FSDP prefetches)."""
+        return max(self.compute_seconds, self.comm_seconds)
+
+
+def _tokenizer(config: TrainConfig, vocab_size: int | None) -> tuple[TokenizerInfo | None, str | None]:
+    """The run's tokenizer, or a stand-in of `vocab_size` ids (with a note) when it is not at hand."""
+    name = config.tokenizer.name
+    if vocab_size is not None or (name and not Path(name).exists()):
+        vocab = vocab_size or 32000
+        why = "--vocab-size" if vocab_size is not None else f"tokenizer {name} not found; set --vocab-size"
+        return cast(TokenizerInfo, AssumedVocabulary(vocab)), f"vocabulary: {vocab:,} token ids assumed ({why})"
+    return (load_tokenizer(name) if name else None), None
+
+
+def _tracker(model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> Any:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        tracker = FSDPMemTracker(model, optimizers[0])
+        tracker.track_external(*optimizers[1:])
+    else:
+        tracker = MemTracker()
+        tracker.track_external(model, *optimizers)
+    return tracker
+
+
+def _categories(snapshot: dict[str, int]) -> dict[str, float]:
+    memory = {name: float(sum(snapshot.get(k, 0) for k in keys)) for name, keys in CATEGORIES.items()}
+    known = {k for keys in CATEGORIES.values() for k in keys} | {"Total"}
+    memory["other"] = float(sum(v for k, v in snapshot.items() if k not in known))
+    return memory
+
+
+def fake_world(config: TrainConfig, world_size: int) -> DistContext:
+    """Rank 0 of a fake process group of `world_size` ranks, with the run's device mesh (CPU)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    return init_distributed(cp=config.parallel.cp, ep=config.parallel.ep)
+
+
+def plan_step(
+    config: TrainConfig,
+    world_size: int,
+    gpu: GpuSpec,
+    gpus_per_node: int,
+    doc_len: float | None = None,
+    vocab_size: int | None = None,
+    target: torch.device = CUDA,
+    fake: bool = True,
+) -> StepPlan:
+    """Build the run's model on rank 0 of `world_size` fake ranks and trace one optimizer step (see the module).
+    `target` is the device whose choices the model takes. With `fake` False the same step runs on real CPU tensors
+    (uninitialized weights, one rank): what the plan's memory figures are tested against."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    notes: list[str] = []
+    compiled = config.model.compile
+    # Compiling under fake tensors would trace every block for nothing: the plan runs the eager step.
+    config = config.model_copy(update={"model": config.model.model_copy(update={"compile": False})})
+    tokenizer, vocab_note = _tokenizer(config, vocab_size)
+    if vocab_note:
+        notes.append(vocab_note)
+    ctx = fake_world(config, world_size)
+    try:
+        if not fsdp_wraps(config.model, ctx, target):
+            raise PlanError("the plan covers models that FSDP wraps; a float32 model on one GPU is not (plan it with "
+                            "--model.param_dtype bfloat16, or on 2 GPUs)")  # fmt: skip
+        batches = plan_batches(config, tokenizer, ctx.dp_size, doc_len)
+        rows = batches.micro_batches
+        micro_batches = [shard_micro_batch(mb, ctx.cp) for mb in rows]
+        arch = config.model.arch
+        assert arch is not None, "model.arch is filled in from model.name when the config is loaded"
+        defer = config.model.defer_grad_sync
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(), host_row_tables():
+            model = build_run_model(config, tokenizer, ctx, target=target)
+            if balance_dispatches(model):
+                notes.append("expert parallelism: every all-to-all sized as perfectly balanced routing would")
+            init = config.model.init
+            scale = role_scales(arch, init.scheme, init.base_hidden_size, init.base_num_layers)
+            optimizer = build_optimizer(model, config.optim, scale, config.schedule, config.max_steps)
+            # The first step creates the optimizer state; the second, measured, is what every later step costs.
+            _step(model, optimizer, micro_batches[:1], defer)
+            tracker = _tracker(model, optimizer.optimizers)
+            roofline, comms = Roofline(gpu), Collectives(gpu, gpus_per_node)
+            marks: list[Tally] = []
+            # The rank's first and last micro-batches stand for all: the middle ones repeat the first (same shapes,
+            # and with `defer_grad_sync` the same missing reduction), and only the last reduce-scatters then.
+            traced = [micro_batches[0], micro_batches[-1]] if len(micro_batches) > 1 else micro_batches
+            with tracker:
+                _before_each_forward(model, lambda first: _mark(marks, roofline, comms, None if first else tracker))
+                with roofline, comms:
+                    _mark(marks, roofline, comms)
+                    run_micro_batches(model, traced, CPU, defer)
+                    _mark(marks, roofline, comms)
+                    _update(optimizer)
+                    _mark(marks, roofline, comms)
+            snapshot = tracker.get_tracker_snapshot("peak")
+        # Phases: the step's loss-token count, each traced micro-batch, the update.
+        phases = [b - a for a, b in itertools.pairwise(marks)]
+        if len(micro_batches) > 1:
+            prelude, first, last, update = phases
+            step = prelude + first.times(len(micro_batches) - 1) + last + update
+            notes.append(f"traced the first and last of the {len(micro_batches)} micro-batches; the step's time and "
+                         "collectives count the first once for every micro-batch but the last")  # fmt: skip
+        else:
+            step = phases[0] + phases[1] + phases[2]
+        memory = _categories(next(iter(snapshot.values()), {}))
+        counter = FlopCounter(model, arch.num_hidden_layers, arch.num_attention_heads, arch.dim_per_head)
+        tokens = sum(mb.tokens for mb in micro_batches)
+        pairs = attended_pairs(mb.doc_lens for mb in rows) / ctx.cp.size
+        flops, dense = counter.step_flops(tokens, pairs)
+        compute = step.seconds
+        formula = sorted(n for n in step.uncounted if n in ATTENTION_OPS)
+        if formula:
+            compute += (flops - dense) / gpu.peak_flops
+            notes.append(f"attention ({', '.join(formula)}): FLOPs by lmforge's formula over the attended pairs "
+                         "(torch's formula needs the sequence offsets, which fake tensors do not hold)")  # fmt: skip
+        other = Counter({n: c for n, c in step.uncounted.items() if n not in ATTENTION_OPS})
+        if other:
+            notes.append(f"not counted in the time (no FLOP formula on fake tensors): {dict(other)}")
+        if comms.unknown:
+            notes.append(f"{comms.unknown} collectives whose size this torch's fake_collectives cannot give")
+        choices = {
+            "attention": describe_backend(model.attn_backend, target),
+            "parameters": str(resolve_param_dtype(config.model.param_dtype, target)).removeprefix("torch."),
+            "loss": f"chunks of {model.loss_chunk_tokens} tokens" if model.loss_chunk_tokens else "full logits",
+            "activation checkpointing": config.model.ac.mode
+            + (f" (every {config.model.ac.freq} blocks)" if config.model.ac.mode != "none" else ""),
+            "fp8": config.model.fp8,
+            "compile": "on (planned eager)" if compiled else "off",
+        }
+        return StepPlan(
+            memory=memory, peak_bytes=sum(memory.values()), tokens=tokens, flops=flops, dense_flops=dense,
+            traced_flops=step.flops, compute_seconds=compute, comms=step.traffic,
+            comm_seconds=sum(t.seconds for t in step.traffic.values()), micro_batches=len(micro_batches),
+            batches_source=batches.source,
+            choices=choices, notes=notes,
+        )  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def _step(model: torch.nn.Module, optimizer: Any, micro_batches: list[Any], defer: bool) -> None:
+    """The trainer's step without its host reads: forward/backward, then the update."""
+    run_micro_batches(model, micro_batches, CPU, defer)
+    _update(optimizer)
+
+
+def _update(optimizer: Any) -> None:
+    """Gradient norms, the clipped update and freeing the gradients, as the trainer's step does them (with the
+    step's reduction replaced by fixed norms: nothing is read on the host)."""
+    squares = optimizer.grad_squares(CPU)
+    optimizer.update(1, dict.fromkeys(squares, 1.0), True)
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _mark(marks: list[Tally], roofline: Roofline, comms: Collectives, tracker: Any = None) -> None:
+    """Note the counts so far; with `tracker`, clear its per-module statistics first (torch's trackers follow one
+    forward per module; the step's peak, which the plan reads, is kept)."""
+    if tracker is not None:
+        tracker.reset_mod_stats()
+    marks.append(Tally.of(roofline, comms))
+
+
+def _before_each_forward(model: torch.nn.Module, call: Callable[[bool], Any]) -> None:
+    """Run `call(first)` before every forward of the root module (`first` on the first one)."""
+    calls = [0]
+
+    def before_forward(module: torch.nn.Module, args: Any) -> None:
+        calls[0] += 1
+        call(calls[0] == 1)
+
+    model.register_forward_pre_hook(before_forward, prepend=True)

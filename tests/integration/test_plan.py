@@ -1,0 +1,122 @@
+"""`lmforge plan`: one step on fake tensors at a target world size (docs/plan.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmforge.config import load_train_config
+from lmforge.plan.gpus import gpu_spec
+from lmforge.plan.step import plan_step
+
+ROOT = Path(__file__).resolve().parents[2]
+FIGURES = ("parameters", "gradients", "optimizer state", "activations", "peak", "budget", "FLOPs per step",
+           "compute time", "collective time", "step time", "tokens/s per GPU", "MFU")  # fmt: skip
+
+
+def _plan(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    out = tmp_path / "plan.json"
+    env = {**os.environ, "COLUMNS": "200"}  # the tables' labels on one line each
+    result = subprocess.run([sys.executable, "-m", "lmforge", "plan", *args, "--json", str(out)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert result.returncode in (0, 1), result.stderr
+    return result, json.loads(out.read_text())
+
+
+def test_demo_at_one_gpu(tmp_path: Path) -> None:
+    result, plan = _plan(tmp_path, "@", "examples/pretrain/demo.toml", "--gpus", "1")
+    assert result.returncode == 0 and plan["fits"]
+    for figure in FIGURES:
+        assert figure in result.stdout, figure
+    assert plan["world_size"] == 1 and plan["peak_bytes"] == pytest.approx(sum(plan["memory_bytes"].values()))
+    assert plan["memory_bytes"]["parameters"] > 0 and plan["memory_bytes"]["activations"] > 0
+    assert plan["choices"]["parameters"] == "bfloat16" and plan["choices"]["attention"].startswith("varlen")
+    assert 0 < plan["mfu_estimate"] < 1 and plan["tokens_per_s_per_gpu_estimate"] > 0
+
+
+@pytest.mark.parametrize("gpus", [8, 64])
+def test_llama_150m_at_8_and_64_gpus(tmp_path: Path, gpus: int) -> None:
+    # 64 GPUs take half the micro-batch: 524,288 tokens a step do not fill 64 micro-batches of 16,384
+    extra = ["--data.micro_batch_tokens", "8192"] if gpus == 64 else []
+    result, plan = _plan(tmp_path, "@", "examples/pretrain/llama-150m.toml", "--gpus", str(gpus), *extra)
+    assert result.returncode == 0 and plan["fits"], result.stderr
+    for figure in FIGURES:
+        assert figure in result.stdout, figure
+    comms = plan["collectives"]
+    assert comms["all_gather"]["calls"] > 0 and comms["reduce_scatter"]["calls"] > 0
+    # FSDP gathers each block's parameters in bf16: a rank receives (n - 1) / n of them per gather
+    assert comms["all_gather"]["sent_bytes"] == pytest.approx(comms["all_gather"]["buffer_bytes"] * (gpus - 1) / gpus)
+    # one node of 8 runs on NVLink; 8 nodes on the network, slower per byte
+    per_byte = comms["all_gather"]["seconds"] / comms["all_gather"]["sent_bytes"]
+    gpu = gpu_spec("h100")
+    assert per_byte == pytest.approx(1 / (gpu.intra_node_bytes_s if gpus == 8 else gpu.inter_node_bytes_s))
+    # torch's FLOP formulas on the traced matmuls agree with lmforge's 6 x N x tokens
+    assert plan["traced_flops"] == pytest.approx(plan["flops_6nd_per_step"], rel=0.02)
+
+
+def test_8b_at_one_gpu_does_not_fit(tmp_path: Path) -> None:
+    result, plan = _plan(tmp_path, "@", "examples/pretrain/llama3-8b.toml", "--gpus", "1", "--model.ac.mode", "none",
+                         "--vocab-size", "128256", "--no-suggest")  # fmt: skip
+    assert result.returncode == 1 and not plan["fits"]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("lmforge plan: does not fit:") and "GiB over the" in line
+    over = (plan["peak_bytes"] - plan["budget_bytes"]) / 2**30
+    assert f"{over:.2f} GiB over" in line and over > 50  # fp32 weights, gradients and Adam alone are 120 GiB
+
+
+def test_suggests_a_micro_batch_that_fits(tmp_path: Path) -> None:
+    # a budget between the plans of 16,384 and 8,192 tokens a micro-batch
+    args = ["@", "examples/pretrain/llama-150m.toml", "--gpus", "8", "--vocab-size", "32000"]
+    _, full = _plan(tmp_path, *args)
+    _, half = _plan(tmp_path, *args, "--data.micro_batch_tokens", "8192")
+    budget = (full["peak_bytes"] + half["peak_bytes"]) / 2
+    headroom = 1 - budget / full["gpu_memory_bytes"]
+    result, plan = _plan(tmp_path, *args, "--headroom", f"{headroom:.6f}")
+    assert result.returncode == 1 and not plan["fits"]
+    assert any(s.startswith("--data.micro_batch_tokens 8192") for s in plan["suggestions"]), plan["suggestions"]
+    assert "--data.micro_batch_tokens 8192" in result.stderr
+
+
+def test_moe_with_expert_parallelism_and_muon(tmp_path: Path) -> None:
+    result, plan = _plan(tmp_path, "@", "examples/pretrain/moe.toml", "--gpus", "8", "--parallel.ep", "8",
+                         "--data.batch_tokens", "16384")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert plan["collectives"]["all_to_all"]["calls"] > 0
+    assert any("balanced routing" in note for note in plan["notes"])
+    # only the experts a token uses: torch's formulas on the grouped matmuls agree with lmforge's active count
+    assert plan["traced_flops"] == pytest.approx(plan["flops_6nd_per_step"], rel=0.02)
+
+
+def test_8b_at_64_gpus_with_context_parallelism(tmp_path: Path) -> None:
+    result, plan = _plan(tmp_path, "@", "examples/pretrain/llama3-8b.toml", "--parallel.cp", "2",
+                         "--vocab-size", "128256")  # fmt: skip
+    assert result.returncode == 0 and plan["world_size"] == 64, result.stderr
+    assert plan["tokens_per_step"] == 16 * 8192 // 2  # 16 micro-batches, each rank holding half of every row
+
+
+@pytest.mark.parametrize("ac", ["none", "selective"])
+def test_planned_memory_equals_a_real_cpu_step(ac: str) -> None:
+    """The same tracker over the same step on the CPU: fake tensors predict what real ones use."""
+    config, _ = load_train_config(["@", str(ROOT / "examples/pretrain/fake.toml"), "--model.param_dtype",
+                                   "bfloat16", "--model.ac.mode", ac], 1)  # fmt: skip
+    cpu, gpu = torch.device("cpu"), gpu_spec("h100")
+    planned = plan_step(config, 1, gpu, 8, target=cpu)
+    real = plan_step(config, 1, gpu, 8, target=cpu, fake=False)
+    assert real.memory["activations"] > 0 and real.memory["optimizer state"] > 0
+    assert planned.peak_bytes == pytest.approx(real.peak_bytes, rel=0.05)
+    for category in ("parameters", "gradients", "optimizer state"):
+        assert planned.memory[category] == real.memory[category]
+
+
+def test_bad_flags_are_named(tmp_path: Path) -> None:
+    for args, message in ((["--gpu", "v100"], "unknown --gpu 'v100'"), (["--gpus", "x"], "--gpus 'x' is not"),
+                          (["--gpus", "3"], "not a multiple of data.micro_batch_tokens x world size")):  # fmt: skip
+        result = subprocess.run([sys.executable, "-m", "lmforge", "plan", "@", "examples/pretrain/demo.toml", *args],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert result.returncode == 2 and message in result.stderr, result.stderr
