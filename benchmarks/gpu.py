@@ -274,7 +274,31 @@ def run_size(size: Size, opts: Options, timeout: float) -> dict[str, Any]:
     t0 = time.perf_counter()
     row.update(common.run_in_child(measure_in_child, (size, opts), f"gpu-bench-{size.name}", timeout=timeout))
     row["wall_s"] = time.perf_counter() - t0
+    row.update(plan_figures(size, opts, row))
     return row
+
+
+def plan_figures(size: Size, opts: Options, row: dict[str, Any]) -> dict[str, Any]:
+    """`lmforge plan`'s figures for the same step (on this machine's CPU, fake tensors, the GPU named in the row's
+    device, else H100) and their ratios to the measured ones: peak memory against `torch.cuda.max_memory_allocated`,
+    the estimated step time against the measured median. A plan that fails is the row's `plan_error`."""
+    from lmforge.plan.gpus import gpu_spec
+    from lmforge.plan.step import plan_step
+
+    device = str(row.get("device", "")).lower()
+    name = next((n for n in ("h200", "h100", "b200", "a100") if n in device), "h100")
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"lmforge-plan-{size.name}-") as tmp:
+            plan = plan_step(train_config(size, opts, str(Path(tmp) / "run")), 1, gpu_spec(name), 8)
+    except Exception as e:  # reported in the row: the measured figures stand
+        return {"plan_error": f"{type(e).__name__}: {e}"}
+    figures: dict[str, Any] = {"plan_gpu": name, "plan_peak_gib": plan.peak_bytes / 2**30,
+                               "plan_step_s": plan.step_seconds}  # fmt: skip
+    if row.get("peak_memory_gib"):
+        figures["plan_memory_ratio"] = figures["plan_peak_gib"] / row["peak_memory_gib"]
+    if row.get("median_step_s") and device not in ("", "cpu"):
+        figures["plan_time_ratio"] = plan.step_seconds / row["median_step_s"]
+    return figures
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -292,7 +316,7 @@ def print_table(rows: list[dict[str, Any]], opts: Options, console: Console) -> 
         f"loss chunk {opts.loss_chunk_tokens}, {rows[0]['steps']} timed steps after {rows[0]['warmup']}"
     )
     columns = ("size", "params", "seq / micro / batch", "ac", "tokens/s", "MFU %", "MFU 6ND %", "peak mem GiB",
-               "attention", "median step s", "setup s")  # fmt: skip
+               "attention", "median step s", "setup s", "plan GiB (/ peak)", "plan step s (/ median)")  # fmt: skip
     table = common.result_table(title, columns, left={"size", "ac", "attention"})
     for r in rows:
         geometry = f"{r['seq_len']} / {r['micro_batch_tokens'] // K}K / {r['batch_tokens'] // K}K"
@@ -301,7 +325,7 @@ def print_table(rows: list[dict[str, Any]], opts: Options, console: Console) -> 
         params = f"{r['params'] / 1e6:,.1f}M" if "params" in r else "-"
         head = [r["size"], params, geometry, r["ac"]]
         if "error" in r:
-            table.add_row(*head, f"[red]{escape(r['error'])}[/]", *[""] * 6)
+            table.add_row(*head, f"[red]{escape(r['error'])}[/]", *[""] * 8)
             continue
         table.add_row(
             *head,
@@ -312,6 +336,7 @@ def print_table(rows: list[dict[str, Any]], opts: Options, console: Console) -> 
             str(r["attn_backend"]),
             f"{r['median_step_s']:.3f}",
             f"{r['setup_s']:.0f}",
+            *_plan_cells(r),
         )
     console.print(table)
     console.print(
@@ -321,20 +346,32 @@ def print_table(rows: list[dict[str, Any]], opts: Options, console: Console) -> 
     )
 
 
+def _plan_cells(r: dict[str, Any]) -> list[str]:
+    """The plan's peak memory and step time, each with its ratio to the measured figure where there is one."""
+    if "plan_error" in r:
+        return [f"failed: {r['plan_error'][:60]}", ""]
+    if "plan_peak_gib" not in r:
+        return ["-", "-"]
+    memory = f"{r['plan_peak_gib']:.1f}" + (f" ({r['plan_memory_ratio']:.2f}x)" if "plan_memory_ratio" in r else "")
+    time_s = f"{r['plan_step_s']:.3f}" + (f" ({r['plan_time_ratio']:.2f}x)" if "plan_time_ratio" in r else "")
+    return [memory, time_s]
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table (for docs/benchmarks.md), a failed row with its error."""
     lines = [
-        "| row | params | tokens/s | MFU % | MFU 6ND % | peak GiB | attention | median step s | setup s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| row | params | tokens/s | MFU % | MFU 6ND % | peak GiB | attention | median step s | setup s "
+        "| plan GiB (/ peak) | plan step s (/ median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         params = f"{r['params'] / 1e6:,.1f}M" if "params" in r else "-"
         if "error" in r:
-            lines.append(f"| {r['size']} | {params} | failed: {r['error'].splitlines()[0][:150]} | | | | | | |")
+            lines.append(f"| {r['size']} | {params} | failed: {r['error'].splitlines()[0][:150]} | | | | | | | | |")
             continue
         figures = [f"{r['tokens_per_s']:,.0f}", _fmt(r["mfu_pct"], ".1f"), _fmt(r["mfu_6nd_pct"], ".1f"),
                    _fmt(r["peak_memory_gib"], ".1f"), str(r["attn_backend"]), f"{r['median_step_s']:.3f}",
-                   f"{r['setup_s']:.0f}"]  # fmt: skip
+                   f"{r['setup_s']:.0f}", *_plan_cells(r)]  # fmt: skip
         lines.append(f"| {r['size']} | {params} | " + " | ".join(figures) + " |")
     device = next((r["device"] for r in rows if "device" in r), "no device")
     torch_version = next((r["torch"] for r in rows if "torch" in r), "?")

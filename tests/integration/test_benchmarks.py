@@ -178,6 +178,9 @@ def check_gpu(figures: Any, result: Result, tmp_path: Path) -> None:
         assert row["tokens_per_s"] > 0 and row["params"] > 0 and row["median_step_s"] > 0
         assert row["attn_backend"] == "auto"  # on the CPU, `auto` chooses per row
         assert row["mfu_pct"] is None  # no bf16 peak on the CPU
+        # the plan of the same step, beside it; no measured GPU figures to compare with on the CPU
+        assert "plan_error" not in row, row.get("plan_error")
+        assert row["plan_peak_gib"] > 0 and row["plan_step_s"] > 0 and "plan_time_ratio" not in row
     assert rows[2]["params"] > rows[0]["params"]  # the experts are there
 
 

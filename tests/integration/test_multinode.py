@@ -213,6 +213,21 @@ def test_config_error_submits_nothing(slurm_cluster: SlurmCluster, tmp_path: Pat
     assert slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout == before
 
 
+def test_a_gpu_job_that_does_not_fit_is_not_submitted(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    # Llama-3-8B on one GPU without activation checkpointing: the plan refuses it before anything is written
+    before = slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout
+    root = Path(__file__).resolve().parents[2]
+    args = ["slurm", "@", str(root / "examples/pretrain/llama3-8b.toml"), "--deployment.num_nodes", "1",
+            "--deployment.procs_per_node", "1", "--slurm.gpus_per_node", "1", "--model.ac.mode", "none",
+            "--output_dir", str(tmp_path / "big")]  # fmt: skip
+    done = _lmforge(slurm_cluster, args, tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "lmforge slurm: does not fit:" in done.stderr and "GiB over the" in done.stderr
+    assert "the job was not submitted" in done.stderr and "planned in" in done.stdout
+    assert not (tmp_path / "big").exists()
+    assert slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout == before
+
+
 def test_sbatch_refusal_shows_slurm_message(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     done = _lmforge(slurm_cluster, ["slurm", "@", str(_config(tmp_path, "nopart")), "--slurm.partition", "nosuch"],
                     tmp_path)  # fmt: skip

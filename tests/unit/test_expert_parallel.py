@@ -126,3 +126,9 @@ def test_expert_parallel_checks_name_the_field() -> None:
                                     "max_position_embeddings": 256}}, "parallel": {"ep": 2}}
     )  # fmt: skip
     assert "needs a mixture-of-experts model" in expert_problems(dense, 2)[0][1]
+    # selective checkpointing stops in the first backward when each rank's experts are unsharded (ep = world size)
+    selective = {**base, "parallel": {"ep": 2}}
+    selective["model"] = {**base["model"], "ac": {"mode": "selective"}}
+    refused = TrainConfig.model_validate(selective)
+    assert [field for field, _ in expert_problems(refused, 2)] == ["model.ac.mode"]
+    assert expert_problems(refused, 4) == []

@@ -20,8 +20,13 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from lmforge.commands.errors import fail
+
+if TYPE_CHECKING:
+    from lmforge.config.train import TrainConfig
+    from lmforge.plan.gpus import GpuSpec
 
 DOES_NOT_FIT = 1
 """The exit code of a config whose step does not fit in the GPU's memory."""
@@ -76,10 +81,8 @@ def main(argv: list[str]) -> int:
     deployment = config.deployment
     world = int(gpus) if gpus is not None else deployment.num_nodes * deployment.procs_per_node  # type: ignore[call-overload]
     per_node = int(flags.get("--gpus-per-node", deployment.procs_per_node if deployment.procs_per_node > 1 else 8))  # type: ignore[call-overload]
-    from rich.console import Console
-
     from lmforge.plan.gpus import gpu_spec
-    from lmforge.plan.report import DEFAULT_HEADROOM, PlanReport, render
+    from lmforge.plan.report import DEFAULT_HEADROOM
 
     try:
         gpu = gpu_spec(str(flags.get("--gpu", "h100")))
@@ -88,39 +91,64 @@ def main(argv: list[str]) -> int:
     headroom = float(flags.get("--headroom", DEFAULT_HEADROOM))  # type: ignore[arg-type]
     if not 0 <= headroom < 1:
         return fail("plan", f"--headroom must be in [0, 1), got {headroom}")
-    if config.model.fp8 != "none" and not config.model.fp8_emulate and not gpu.fp8:
-        return fail("plan", f"model.fp8 = {config.model.fp8!r} needs FP8 tensor cores, which {gpu.name} lacks")
+    try:
+        result = plan_and_report(
+            config,
+            world,
+            per_node,
+            gpu,
+            headroom,
+            flags.get("--doc-len"),  # type: ignore[arg-type]
+            flags.get("--vocab-size"),
+            not flags.get("--no-suggest"),
+            "plan",
+        )  # type: ignore[arg-type]
+    except ValueError as e:
+        return fail("plan", str(e))
+    if "--json" in flags:
+        Path(str(flags["--json"])).write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if result["fits"] else DOES_NOT_FIT
+
+
+def plan_and_report(
+    config: TrainConfig,
+    world: int,
+    per_node: int,
+    gpu: GpuSpec,
+    headroom: float,
+    doc_len: float | None = None,
+    vocab: int | None = None,
+    suggest: bool = True,
+    command: str = "plan",
+) -> dict[str, Any]:
+    """Plan one step of `config` on `world` GPUs, print the report (and, when it does not fit, one line on stderr
+    naming the shortfall and the changes that fit, planned when `suggest`); returns every figure
+    (`PlanReport.to_json`, with `suggestions` when it does not fit). Raises ValueError for a config the target
+    GPU cannot run at all (FP8 on a GPU without FP8 tensor cores)."""
+    from rich.console import Console
+
     from lmforge.plan.fit import suggestions
+    from lmforge.plan.report import PlanReport, render
     from lmforge.plan.step import plan_step
 
-    doc_len = flags.get("--doc-len")
-    vocab = flags.get("--vocab-size")
+    if config.model.fp8 != "none" and not config.model.fp8_emulate and not gpu.fp8:
+        raise ValueError(f"model.fp8 = {config.model.fp8!r} needs FP8 tensor cores, which {gpu.name} lacks")
 
-    def plan(cfg: object) -> PlanReport:
-        step = plan_step(cfg, world, gpu, per_node, doc_len, vocab)  # type: ignore[arg-type]
-        return PlanReport(step, gpu, world, per_node, headroom)
-
-    from lmforge.plan.step import PlanError
+    def plan(cfg: TrainConfig) -> PlanReport:
+        return PlanReport(plan_step(cfg, world, gpu, per_node, doc_len, vocab), gpu, world, per_node, headroom)
 
     start = time.perf_counter()
-    try:
-        report = plan(config)
-    except PlanError as e:
-        return fail("plan", str(e))
+    report = plan(config)
     console = Console(highlight=False)
     render(report, console)
     console.print(f"planned in {time.perf_counter() - start:.1f} s")
     result = report.to_json()
     if not report.fits:
-        hints = [] if flags.get("--no-suggest") else suggestions(config, plan)
+        hints = suggestions(config, plan) if suggest else []
         result["suggestions"] = hints
-        print(
-            f"lmforge plan: does not fit: the step's peak is {report.plan.peak_bytes / 2**30:.2f} GiB per GPU, "
-            f"{report.shortfall_gib:.2f} GiB over the {report.budget_bytes / 2**30:.2f} GiB budget of a "
-            f"{gpu.name}" + (f"; it fits with {' or '.join(hints)}" if hints else
-                             "" if flags.get("--no-suggest") else "; no smaller micro-batch or checkpointing fits"),
-            file=sys.stderr,
-        )  # fmt: skip
-    if "--json" in flags:
-        Path(str(flags["--json"])).write_text(json.dumps(result, indent=2) + "\n")
-    return 0 if report.fits else DOES_NOT_FIT
+        fix = f"; it fits with {' or '.join(hints)}" if hints else (
+            "; no smaller micro-batch or checkpointing fits" if suggest else "")  # fmt: skip
+        print(f"lmforge {command}: does not fit: the step's peak is {report.plan.peak_bytes / 2**30:.2f} GiB per GPU, "
+              f"{report.shortfall_gib:.2f} GiB over the {report.budget_bytes / 2**30:.2f} GiB budget of a "
+              f"{gpu.name}{fix}", file=sys.stderr)  # fmt: skip
+    return result

@@ -96,6 +96,11 @@ def expert_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
                          "no routed experts)"))  # fmt: skip
     elif experts % ep:
         problems.append(("parallel.ep", f"{ep} does not divide the {experts} routed experts per MoE block"))
+    if world_size == ep and config.model.ac.mode == "selective":
+        # Each expert then shards over one rank, and torch's selective checkpointing finds the recomputed forward
+        # of such a module different from the first one (a real run stops in its first backward).
+        problems.append(("model.ac.mode", f"'selective' does not run with parallel.ep = {ep} equal to the world size "
+                         "(each rank's experts unsharded); use 'full', or ep below the world size"))  # fmt: skip
     return problems
 
 

@@ -41,13 +41,17 @@ def stated_batches(config: TrainConfig, dp_size: int, doc_len: float) -> PlanBat
 def plan_batches(
     config: TrainConfig, tokenizer: TokenizerInfo | None, dp_size: int, doc_len: float | None
 ) -> PlanBatches:
-    """The run's first step for data-parallel rank 0 when its data can be read (and `doc_len` is not given), else
-    the stated distribution (the reason is in `source`)."""
+    """The run's first step for data-parallel rank 0 when its data can be read with `tokenizer` (and `doc_len` is
+    not given), else the stated distribution (the reason is in `source`)."""
     data = config.data
     if doc_len is not None:
         return stated_batches(config, dp_size, doc_len)
     if data.type == "fake":
         return PlanBatches(FakeData(data, 0, dp_size).next_step(), "the run's fake data (first step)")
+    if tokenizer is None:
+        stated = stated_batches(config, dp_size, DEFAULT_DOC_LEN)
+        stated.source += " (the run's tokenizer is not at hand to read its data)"
+        return stated
     try:
         source = build_step_data(data, 0, dp_size, tokenizer)
         return PlanBatches(source.next_step(), f"the run's data, first step ({', '.join(data.paths)})")

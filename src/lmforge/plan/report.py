@@ -65,6 +65,7 @@ class PlanReport:
             "budget_bytes": self.budget_bytes, "gpu_memory_bytes": self.gpu.memory_gib * GIB,
             "headroom": self.headroom, "tokens_per_step": p.tokens, "micro_batches": p.micro_batches,
             "flops_per_step": p.flops, "flops_6nd_per_step": p.dense_flops, "traced_flops": p.traced_flops,
+            "optimizer_flops": p.optimizer_flops,
             "compute_seconds": p.compute_seconds, "comm_seconds": p.comm_seconds,
             "step_seconds_estimate": p.step_seconds, "tokens_per_s_per_gpu_estimate": self.tokens_per_s,
             "mfu_estimate": self.mfu,
@@ -101,6 +102,8 @@ def render(report: PlanReport, console: Console) -> None:
     speed.add_column("value", justify="right")
     speed.add_row("FLOPs per step (lmforge's counter)", f"{p.flops:.4g}")
     speed.add_row("  of which 6 x N x tokens", f"{p.dense_flops:.4g}")
+    if p.optimizer_flops:
+        speed.add_row("optimizer update FLOPs (not in MFU)", f"{p.optimizer_flops:.4g}")
     speed.add_row("compute time (roofline)", f"{p.compute_seconds * 1e3:.1f} ms")
     speed.add_row("collective time (not overlapped)", f"{p.comm_seconds * 1e3:.1f} ms")
     speed.add_row("step time (collectives overlapped)", f"{p.step_seconds * 1e3:.1f} ms")

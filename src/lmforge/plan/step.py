@@ -14,9 +14,10 @@ model FSDP does not wrap), the operators' roofline (`lmforge.plan.roofline`) and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge.config.train import TrainConfig
-from lmforge.data.tokenizer import TokenizerInfo, load_tokenizer
+from lmforge.data.tokenizer import TokenizerError, TokenizerInfo, load_tokenizer
 from lmforge.model.attention import describe_backend
 from lmforge.model.completep import role_scales
 from lmforge.optim import build_optimizer
@@ -55,10 +56,6 @@ CATEGORIES = {
     "temporaries": ("Temp", "All Gather", "Reduce Scatter", "Inputs", "Input"),
 }
 """The plan's memory categories and the tracker categories each one sums (FSDPMemTracker's and MemTracker's)."""
-
-
-class PlanError(ValueError):
-    """A config the plan cannot trace; the message says why and what to do."""
 
 
 @dataclass
@@ -122,7 +119,9 @@ class StepPlan:
     dense_flops: float
     """Its 6 x N x tokens part."""
     traced_flops: float
-    """FLOPs torch's formulas counted on the traced operators."""
+    """FLOPs torch's formulas counted on the traced forward and backward passes (attention aside)."""
+    optimizer_flops: float
+    """FLOPs of the optimizer update (Muon's Newton-Schulz iterations), which MFU leaves out."""
     compute_seconds: float
     """Roofline time of the operators, attention by formula where torch cannot count it."""
     comms: dict[str, Traffic]
@@ -145,13 +144,25 @@ class StepPlan:
 
 
 def _tokenizer(config: TrainConfig, vocab_size: int | None) -> tuple[TokenizerInfo | None, str | None]:
-    """The run's tokenizer, or a stand-in of `vocab_size` ids (with a note) when it is not at hand."""
+    """The run's tokenizer, or a stand-in (with a note) when it is not at hand or `vocab_size` is given: of
+    `vocab_size` ids, else a pretrained model's own vocabulary, else 32,000."""
     name = config.tokenizer.name
-    if vocab_size is not None or (name and not Path(name).exists()):
+    if vocab_size is None and name:
+        try:
+            return load_tokenizer(name), None
+        except TokenizerError as e:
+            why = f"{e}; set --vocab-size"
+    elif vocab_size is None:
+        return None, None
+    else:
+        why = "--vocab-size"
+    if vocab_size is None and config.model.name is not None:
+        from lmforge.config.hf_config import read_hf_config
+
+        vocab, why = read_hf_config(Path(config.model.name)).vocab_size, f"model.name's; {why}"
+    else:
         vocab = vocab_size or 32000
-        why = "--vocab-size" if vocab_size is not None else f"tokenizer {name} not found; set --vocab-size"
-        return cast(TokenizerInfo, AssumedVocabulary(vocab)), f"vocabulary: {vocab:,} token ids assumed ({why})"
-    return (load_tokenizer(name) if name else None), None
+    return cast(TokenizerInfo, AssumedVocabulary(vocab)), f"vocabulary: {vocab:,} token ids assumed ({why})"
 
 
 def _tracker(model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> Any:
@@ -209,17 +220,23 @@ def plan_step(
         notes.append(vocab_note)
     ctx = fake_world(config, world_size)
     try:
-        if not fsdp_wraps(config.model, ctx, target):
-            raise PlanError("the plan covers models that FSDP wraps; a float32 model on one GPU is not (plan it with "
-                            "--model.param_dtype bfloat16, or on 2 GPUs)")  # fmt: skip
-        batches = plan_batches(config, tokenizer, ctx.dp_size, doc_len)
+        batches = plan_batches(config, None if vocab_note else tokenizer, ctx.dp_size, doc_len)
         rows = batches.micro_batches
         micro_batches = [shard_micro_batch(mb, ctx.cp) for mb in rows]
         arch = config.model.arch
         assert arch is not None, "model.arch is filled in from model.name when the config is loaded"
         defer = config.model.defer_grad_sync
+        unwrapped = fake and not fsdp_wraps(config.model, ctx, target)
+        if unwrapped:
+            # A model FSDP does not wrap (float32 on one GPU) is given storage by `to_empty`, which cannot swap out
+            # parameters made under fake tensors: build it on the meta device first, outside them.
+            model = build_run_model(config, tokenizer, dataclasses.replace(ctx, device=torch.device("meta")), target)
         with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(), host_row_tables():
-            model = build_run_model(config, tokenizer, ctx, target=target)
+            if unwrapped:
+                model.to_empty(device=CPU)
+                model.tie_weights()
+            else:
+                model = build_run_model(config, tokenizer, ctx, target=target)
             if balance_dispatches(model):
                 notes.append("expert parallelism: every all-to-all sized as perfectly balanced routing would")
             init = config.model.init
@@ -233,14 +250,13 @@ def plan_step(
             # The rank's first and last micro-batches stand for all: the middle ones repeat the first (same shapes,
             # and with `defer_grad_sync` the same missing reduction), and only the last reduce-scatters then.
             traced = [micro_batches[0], micro_batches[-1]] if len(micro_batches) > 1 else micro_batches
-            with tracker:
-                _before_each_forward(model, lambda first: _mark(marks, roofline, comms, None if first else tracker))
-                with roofline, comms:
-                    _mark(marks, roofline, comms)
-                    run_micro_batches(model, traced, CPU, defer)
-                    _mark(marks, roofline, comms)
-                    _update(optimizer)
-                    _mark(marks, roofline, comms)
+            mark = lambda first: _mark(marks, roofline, comms, None if first else tracker)  # noqa: E731
+            with _before_each_forward(model, mark), tracker, roofline, comms:
+                _mark(marks, roofline, comms)
+                run_micro_batches(model, traced, CPU, defer)
+                _mark(marks, roofline, comms)
+                _update(optimizer)
+                _mark(marks, roofline, comms)
             snapshot = tracker.get_tracker_snapshot("peak")
         # Phases: the step's loss-token count, each traced micro-batch, the update.
         phases = [b - a for a, b in itertools.pairwise(marks)]
@@ -250,7 +266,8 @@ def plan_step(
             notes.append(f"traced the first and last of the {len(micro_batches)} micro-batches; the step's time and "
                          "collectives count the first once for every micro-batch but the last")  # fmt: skip
         else:
-            step = phases[0] + phases[1] + phases[2]
+            update = phases[2]
+            step = phases[0] + phases[1] + update
         memory = _categories(next(iter(snapshot.values()), {}))
         counter = FlopCounter(model, arch.num_hidden_layers, arch.num_attention_heads, arch.dim_per_head)
         tokens = sum(mb.tokens for mb in micro_batches)
@@ -278,7 +295,8 @@ def plan_step(
         }
         return StepPlan(
             memory=memory, peak_bytes=sum(memory.values()), tokens=tokens, flops=flops, dense_flops=dense,
-            traced_flops=step.flops, compute_seconds=compute, comms=step.traffic,
+            traced_flops=step.flops - update.flops, optimizer_flops=update.flops, compute_seconds=compute,
+            comms=step.traffic,
             comm_seconds=sum(t.seconds for t in step.traffic.values()), micro_batches=len(micro_batches),
             batches_source=batches.source,
             choices=choices, notes=notes,
@@ -309,12 +327,21 @@ def _mark(marks: list[Tally], roofline: Roofline, comms: Collectives, tracker: A
     marks.append(Tally.of(roofline, comms))
 
 
-def _before_each_forward(model: torch.nn.Module, call: Callable[[bool], Any]) -> None:
-    """Run `call(first)` before every forward of the root module (`first` on the first one)."""
+@contextlib.contextmanager
+def _before_each_forward(model: torch.nn.Module, call: Callable[[bool], Any]) -> Iterator[None]:
+    """Within this block, run `call(first)` before every forward of `model` (`first` on the first one). A global
+    hook, entered before the tracker's: it runs before the hooks the trackers add, module or global."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
     calls = [0]
 
     def before_forward(module: torch.nn.Module, args: Any) -> None:
-        calls[0] += 1
-        call(calls[0] == 1)
+        if module is model:
+            calls[0] += 1
+            call(calls[0] == 1)
 
-    model.register_forward_pre_hook(before_forward, prepend=True)
+    handle = register_module_forward_pre_hook(before_forward)
+    try:
+        yield
+    finally:
+        handle.remove()
