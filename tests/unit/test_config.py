@@ -269,6 +269,9 @@ def test_example_configs_are_valid(path: Path, tmp_path: Path) -> None:
         assert demo.model.arch is not None
         write_model_files(tmp_path / "demo", demo.model.arch, 4096, None)
         args += ["--model.name", str(tmp_path / "demo"), "--tokenizer.name", "data/demo/tokenizer"]
-    for world_size in (1, 2):
+    # An example written for a cluster ([deployment]) is checked at its own world size, the others at 1 and 2.
+    deployment = compose(args).values.get("deployment")
+    worlds = [deployment.get("num_nodes", 1) * deployment.get("procs_per_node", 1)] if deployment else [1, 2]
+    for world_size in worlds:
         config, _ = load_train_config(args, world_size)
         assert config.max_steps > 0
