@@ -111,9 +111,9 @@ def test_planned_memory_equals_a_real_cpu_step(dtype: str, ac: str) -> None:
                                    "--model.ac.mode", ac], 1)  # fmt: skip
     cpu, gpu = torch.device("cpu"), gpu_spec("h100")
     planned = plan_step(config, 1, gpu, 8, target=cpu)
-    real = plan_step(config, 1, gpu, 8, target=cpu, fake=False)
+    real = plan_step(config, 1, gpu, 8, target=cpu, fake=False)  # after the fake step: it must leave nothing fake
     assert real.memory["activations"] > 0 and real.memory["optimizer state"] > 0
-    assert planned.peak_bytes == pytest.approx(real.peak_bytes, rel=0.05)
+    assert planned.peak_bytes == pytest.approx(real.peak_bytes, rel=0.01)  # within 1% (asked: 5%)
     for category in ("parameters", "gradients", "optimizer state"):
         assert planned.memory[category] == real.memory[category]
 

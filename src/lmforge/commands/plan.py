@@ -17,6 +17,7 @@ Exit codes: 0 fits, 1 does not fit, 2 bad input.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -139,7 +140,10 @@ def plan_and_report(
 
     start = time.perf_counter()
     report = plan(config)
-    console = Console(highlight=False)
+    # Written to a file (a Slurm job's log, a CI log) the tables keep 120 columns instead of rich's 80 (COLUMNS,
+    # where set, still decides).
+    wide = sys.stdout.isatty() or "COLUMNS" in os.environ
+    console = Console(highlight=False, width=None if wide else 120)
     render(report, console)
     console.print(f"planned in {time.perf_counter() - start:.1f} s")
     result = report.to_json()

@@ -69,6 +69,12 @@ def _causal_mask(dtype: torch.dtype) -> Tensor:
     return torch.zeros(size, size, dtype=dtype).masked_fill_(~seen, float("-inf"))
 
 
+def clear_cached_masks() -> None:
+    """Forget the cached causal masks. A step traced on fake tensors (`lmforge plan` on the CPU) caches fake ones,
+    which the real steps of the same process must not use."""
+    _causal_mask.cache_clear()
+
+
 def pieces(length: int, rows: int = CPU_SPLIT_ROWS, split: tuple[int, int] = CPU_SPLIT_LENGTHS) -> list[Piece]:
     """The kernel calls of a causal segment of `length` tokens: one, or for a length in `split` about
     length / `rows`, each over the keys up to its last query. The arguments are there for the benchmark that chose
