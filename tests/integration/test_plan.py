@@ -61,6 +61,7 @@ def test_llama_150m_at_8_and_64_gpus(tmp_path: Path, gpus: int) -> None:
     assert plan["traced_flops"] == pytest.approx(plan["flops_6nd_per_step"], rel=0.005)
 
 
+@pytest.mark.slow  # tens of seconds: the quick tier keeps the small plans
 def test_8b_at_one_gpu_does_not_fit(tmp_path: Path) -> None:
     result, plan = _plan(tmp_path, "@", "examples/pretrain/llama3-8b.toml", "--gpus", "1", "--model.ac.mode", "none",
                          "--vocab-size", "128256", "--no-suggest")  # fmt: skip
@@ -71,6 +72,7 @@ def test_8b_at_one_gpu_does_not_fit(tmp_path: Path) -> None:
     assert f"{over:.2f} GiB over" in line and over > 50  # fp32 weights, gradients and Adam alone are 120 GiB
 
 
+@pytest.mark.slow  # tens of seconds: the quick tier keeps the small plans
 def test_suggests_a_micro_batch_that_fits(tmp_path: Path) -> None:
     # a budget between the plans of 16,384 and 8,192 tokens a micro-batch
     args = ["@", "examples/pretrain/llama-150m.toml", "--gpus", "8", "--vocab-size", "32000"]
@@ -96,6 +98,7 @@ def test_moe_with_expert_parallelism_and_muon(tmp_path: Path) -> None:
     assert plan["optimizer_flops"] > 0
 
 
+@pytest.mark.slow  # tens of seconds: the quick tier keeps the small plans
 def test_8b_at_64_gpus_with_context_parallelism(tmp_path: Path) -> None:
     result, plan = _plan(tmp_path, "@", "examples/pretrain/llama3-8b.toml", "--parallel.cp", "2",
                          "--vocab-size", "128256")  # fmt: skip
@@ -151,6 +154,7 @@ def _divisible_batch(example: Path, gpus: int) -> list[str]:
     return [] if batch == data["batch_tokens"] else ["--data.batch_tokens", str(batch)]
 
 
+@pytest.mark.slow  # 21 plans, about 3 minutes
 @pytest.mark.parametrize("gpus", [1, 8, 64])
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_every_example_plans(tmp_path: Path, name: str, gpus: int) -> None:
