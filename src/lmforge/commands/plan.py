@@ -10,12 +10,16 @@ Plan flags (the rest is the run's config, exactly as `lmforge train` takes it):
   --headroom F        share of GPU memory left free (default 0.1)
   --no-suggest        when it does not fit, do not plan the changes that would make it fit
   --json FILE         write every figure to FILE
+  --check-cuda        instead of the plan, run the step on fake CUDA tensors and report every device, dtype or
+                      host-read error with its module and line (needs the CUDA build of torch, not a GPU)
 
-Exit codes: 0 fits, 1 does not fit, 2 bad input.
+Exit codes: 0 fits (with --check-cuda: no problem), 1 does not fit (problems found), 2 bad input (or, with
+--check-cuda, a CPU-only torch).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -51,7 +55,7 @@ def _split(argv: list[str]) -> tuple[dict[str, object], list[str]]:
             except ValueError:
                 raise ValueError(f"{arg} {argv[i + 1]!r} is not a valid {_VALUE_FLAGS[arg].__name__}") from None
             i += 2
-        elif arg == "--no-suggest":
+        elif arg in ("--no-suggest", "--check-cuda"):
             flags[arg] = True
             i += 1
         else:
@@ -89,6 +93,8 @@ def main(argv: list[str]) -> int:
         gpu = gpu_spec(str(flags.get("--gpu", "h100")))
     except ValueError as e:
         return fail("plan", str(e))
+    if flags.get("--check-cuda"):
+        return _check_cuda(config, world, flags)
     headroom = float(flags.get("--headroom", DEFAULT_HEADROOM))  # type: ignore[arg-type]
     if not 0 <= headroom < 1:
         return fail("plan", f"--headroom must be in [0, 1), got {headroom}")
@@ -109,6 +115,34 @@ def main(argv: list[str]) -> int:
     if "--json" in flags:
         Path(str(flags["--json"])).write_text(json.dumps(result, indent=2) + "\n")
     return 0 if result["fits"] else DOES_NOT_FIT
+
+
+def _check_cuda(config: TrainConfig, world: int, flags: dict[str, object]) -> int:
+    """`--check-cuda`: the step on fake CUDA tensors; 0 when clean, 1 with problems, 2 without a CUDA build."""
+    from rich.console import Console
+
+    from lmforge.plan.cuda_check import CudaBuildMissing, check_cuda, render_check
+
+    start = time.perf_counter()
+    try:
+        check = check_cuda(config, world, flags.get("--doc-len"), flags.get("--vocab-size"))  # type: ignore[arg-type]
+    except CudaBuildMissing as e:
+        return fail("plan", str(e))
+    except ValueError as e:
+        return fail("plan", str(e))
+    wide = sys.stdout.isatty() or "COLUMNS" in os.environ
+    render_check(check, Console(highlight=False, width=None if wide else 120))
+    print(f"checked in {time.perf_counter() - start:.1f} s")
+    if "--json" in flags:
+        problems = [{**dataclasses.asdict(p), "times": check.counts[p]} for p in check.problems]
+        record = {"world_size": world, "ok": check.ok, "choices": check.choices, "notes": check.notes,
+                  "backward_nodes": check.backward_nodes.total(), "own_backwards": dict(check.own_backwards),
+                  "problems": problems}  # fmt: skip
+        Path(str(flags["--json"])).write_text(json.dumps(record, indent=2) + "\n")
+    if not check.ok:
+        print(f"lmforge plan: the CUDA check found {len(check.problems)} problem(s); the first: "
+              f"{check.problems[0].where}: {check.problems[0].error}", file=sys.stderr)  # fmt: skip
+    return 0 if check.ok else DOES_NOT_FIT
 
 
 def plan_and_report(

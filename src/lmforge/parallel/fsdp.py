@@ -68,7 +68,12 @@ def _checkpointed(forward: Callable[..., Any], kwargs: dict[str, Any]) -> Callab
 
 
 def parallelize(
-    model: CausalLM, blocks: list[nn.Module], cfg: ModelConfig, ctx: DistContext, target: torch.device | None = None
+    model: CausalLM,
+    blocks: list[nn.Module],
+    cfg: ModelConfig,
+    ctx: DistContext,
+    target: torch.device | None = None,
+    shard: bool = True,
 ) -> CausalLM:
     """Checkpoint, compile and shard (per block, then the root) a freshly built model, on the rank's device.
     A model built on the meta device gets storage for this rank's shards only, uninitialized. The kernel under
@@ -78,6 +83,10 @@ def parallelize(
     A single process training in fp32 is not wrapped: FSDP over one rank would only copy parameters and gradients
     (5-10% of a CPU step, docs/benchmarks.md) and computes bit-identical results. With bf16 parameters FSDP's
     mixed-precision policy is what keeps fp32 master weights, so it wraps at any world size.
+
+    With `shard` False the model gets context and expert parallelism and checkpointing but no FSDP, and stays on the
+    device it was built on: `lmforge plan --check-cuda` runs it on fake CUDA tensors, where FSDP cannot run (it
+    needs CUDA streams).
     """
     target = target or ctx.device
     if ctx.cp.size > 1:
@@ -93,6 +102,8 @@ def parallelize(
             block.compile(fullgraph=fullgraph)
     param_dtype = resolve_param_dtype(cfg.param_dtype, target)
     on_meta = any(p.is_meta for p in model.parameters())
+    if not shard:
+        return model
     if not fsdp_wraps(cfg, ctx, target):
         if not on_meta:
             return model.to(ctx.device)

@@ -47,14 +47,19 @@ def model_vocab_size(config: TrainConfig, tokenizer: TokenizerInfo | None) -> in
 
 
 def build_run_model(
-    config: TrainConfig, tokenizer: TokenizerInfo | None, ctx: DistContext, target: torch.device | None = None
+    config: TrainConfig,
+    tokenizer: TokenizerInfo | None,
+    ctx: DistContext,
+    target: torch.device | None = None,
+    shard: bool = True,
 ) -> CausalLM:
     """The configured model, with FP8 linear layers, checkpointed, compiled and sharded (or moved) for this rank as
     `model` asks, with uninitialized storage: the caller fills the weights (init, checkpoint or HF folder).
 
     `target` is the device whose choices to make (attention kernel, loss chunking, parameter dtype), by default the
     rank's own. `lmforge plan` builds on the CPU, on fake tensors, the model a CUDA run would train; the FP8 device
-    check is then the planner's (it knows the target GPU)."""
+    check is then the planner's (it knows the target GPU). With `shard` False the model is left unsharded on the
+    meta device (`parallelize`)."""
     arch = config.model.arch
     assert arch is not None, "model.arch is filled in from model.name when the config is loaded"
     target = target or ctx.device
@@ -65,7 +70,7 @@ def build_run_model(
         # Before checkpointing, compilation and sharding, which wrap the converted layers.
         if target == ctx.device:
             check_fp8_device(config.model.fp8, config.model.fp8_emulate, ctx.device)
-        gather = fsdp_wraps(config.model, ctx, target)
+        gather = shard and fsdp_wraps(config.model, ctx, target)
         apply_fp8(model.blocks, config.model.fp8, config.model.fp8_emulate, fsdp_all_gather=gather)
-    parallelize(model, model.blocks, config.model, ctx, target)  # in place: the sharded model is the same object
+    parallelize(model, model.blocks, config.model, ctx, target, shard)  # in place: the sharded model is the same object
     return model

@@ -144,7 +144,7 @@ class StepPlan:
         return max(self.compute_seconds, self.comm_seconds)
 
 
-def _tokenizer(config: TrainConfig, vocab_size: int | None) -> tuple[TokenizerInfo | None, str | None]:
+def plan_tokenizer(config: TrainConfig, vocab_size: int | None) -> tuple[TokenizerInfo | None, str | None]:
     """The run's tokenizer, or a stand-in (with a note) when it is not at hand or `vocab_size` is given: of
     `vocab_size` ids, else a pretrained model's own vocabulary, else 32,000."""
     name = config.tokenizer.name
@@ -216,7 +216,7 @@ def plan_step(
     compiled = config.model.compile
     # Compiling under fake tensors would trace every block for nothing: the plan runs the eager step.
     config = config.model_copy(update={"model": config.model.model_copy(update={"compile": False})})
-    tokenizer, vocab_note = _tokenizer(config, vocab_size)
+    tokenizer, vocab_note = plan_tokenizer(config, vocab_size)
     if vocab_note:
         notes.append(vocab_note)
     clear_cached_masks()  # every plan starts as a fresh process does: its cached tensors are counted when made

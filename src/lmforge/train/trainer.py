@@ -39,7 +39,7 @@ from lmforge.optim import Optimizers, OptimizerStep, build_optimizer
 from lmforge.parallel.context import shard_micro_batch
 from lmforge.parallel.model_setup import build_run_model
 from lmforge.parallel.process_group import DistContext
-from lmforge.train.callbacks.balancing import MoEBalancer
+from lmforge.train.callbacks.balancing import MoEBalancer, moe_balancer
 from lmforge.train.callbacks.base import Callback
 from lmforge.train.callbacks.checkpointing import Checkpointing
 from lmforge.train.callbacks.eval_snapshots import EvalSnapshots
@@ -129,7 +129,7 @@ class Trainer:
         scale = role_scales(arch, init.scheme, init.base_hidden_size, init.base_num_layers)
         if resume_from is None:
             self._initialize_weights(scale)
-        balancer = self._moe_balancer()
+        balancer = moe_balancer(self.model, self.config.model.moe_balance, self.config.max_steps)
         self.optimizer = build_optimizer(self.model, config.optim, scale, config.schedule, config.max_steps)
         state = self._resume(resume_from) if resume_from is not None else {}
         self.data = open_stream(source, config.max_steps, self.step, state.get("data"), ctx.device.type == "cuda")
@@ -177,12 +177,6 @@ class Trainer:
             from lmforge.hf.weights import load_hf_weights
 
             load_hf_weights(self.model, Path(config.model.name))
-
-    def _moe_balancer(self) -> MoEBalancer | None:
-        if not self.model.moe_layers():
-            return None
-        coeff = getattr(self.model.arch, "load_balance_coeff", None)
-        return MoEBalancer(self.model, self.config.model.moe_balance, coeff, self.config.max_steps)
 
     def _resume(self, checkpoint: Path) -> dict[str, Any]:
         """Load the checkpoint into the model and optimizers; returns the trainer state (without `data` when the

@@ -343,3 +343,12 @@ class MoEBalancer(Callback):
         metrics of step `trainer.step + 1`."""
         return self.update(trainer.step + 1, sums["moe/counts"], sums["moe/confidence"], sums["moe/seq_aux"],
                            sums["moe/rank_load"], sums.get("moe/choice_hist"), sums.get("moe/segments"))  # fmt: skip
+
+
+def moe_balancer(model: nn.Module, cfg: MoEBalanceConfig, max_steps: int) -> MoEBalancer | None:
+    """The balancer of `model`'s MoE layers, None without any; the arch's `load_balance_coeff` (GLM-4.5 style)
+    wins over `cfg.coeff`."""
+    if not model.moe_layers():  # type: ignore[operator]
+        return None
+    coeff = getattr(model.arch, "load_balance_coeff", None)
+    return MoEBalancer(model, cfg, coeff, max_steps)
