@@ -121,6 +121,49 @@ def test_planned_memory_equals_a_real_cpu_step(dtype: str, ac: str) -> None:
         assert planned.memory[category] == real.memory[category]
 
 
+def _fake_at_two() -> object:
+    config, _ = load_train_config(["@", str(ROOT / "examples/pretrain/fake.toml")], 2)
+    return config
+
+
+def test_a_torch_without_the_memory_trackers_plans_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's memory trackers are private: where a torch lacks them, the plan says so and gives every other figure."""
+    from io import StringIO
+
+    import torch.distributed._tools.fake_collectives  # noqa: F401 - the package itself imports a tracker
+    from rich.console import Console
+
+    from lmforge.plan.report import PlanReport, render
+    from lmforge.plan.step import MEMORY_TRACKERS
+
+    for module in MEMORY_TRACKERS:
+        monkeypatch.setitem(sys.modules, module, None)  # importing it raises ImportError
+    gpu = gpu_spec("h100")
+    plan = plan_step(_fake_at_two(), 2, gpu, 8)  # type: ignore[arg-type]
+    assert plan.memory == {} and plan.flops > 0 and plan.compute_seconds > 0
+    assert plan.comms["all_gather"].calls > 0 and plan.comms["reduce_scatter"].calls > 0
+    assert any(n.startswith("memory not given") and "fsdp2_mem_tracker" in n for n in plan.notes), plan.notes
+    report = PlanReport(plan, gpu, 2, 8, 0.1)
+    assert report.fits and not report.memory_known and report.to_json()["memory_known"] is False
+    out = StringIO()
+    render(report, Console(file=out, width=200))
+    assert "not given by this torch" in out.getvalue() and "MFU" in out.getvalue()
+
+
+def test_a_torch_without_fake_collectives_plans_without_collective_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch.distributed._tools.fake_collectives", None)
+    plan = plan_step(_fake_at_two(), 2, gpu_spec("h100"), 8)  # type: ignore[arg-type]
+    assert plan.comms == {} and plan.comm_seconds == 0
+    assert any("collectives whose size this torch's fake_collectives cannot give" in n for n in plan.notes)
+    assert plan.peak_bytes > 0 and plan.flops > 0
+
+
+def test_a_torch_without_a_fake_process_group_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch.testing._internal.distributed.fake_pg", None)
+    with pytest.raises(ValueError, match="no fake process group"):
+        plan_step(_fake_at_two(), 2, gpu_spec("h100"), 8)  # type: ignore[arg-type]
+
+
 def test_bad_flags_are_named(tmp_path: Path) -> None:
     for args, message in ((["--gpu", "v100"], "unknown --gpu 'v100'"), (["--gpus", "x"], "--gpus 'x' is not"),
                           (["--gpus", "3"], "not a multiple of data.micro_batch_tokens x world size")):  # fmt: skip

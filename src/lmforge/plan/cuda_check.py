@@ -69,6 +69,9 @@ class HostRead(RuntimeError):
 def cuda_build_missing() -> str | None:
     """Why this torch cannot run the check, or None when it can."""
     if torch.backends.cuda.is_built():
+        if not hasattr(torch.autograd, "_engine_run_backward") or not hasattr(Node, "_input_metadata"):
+            return (f"--check-cuda walks the backward through torch's private `torch.autograd._engine_run_backward` "
+                    f"and `Node._input_metadata`, which this torch {torch.__version__} lacks")  # fmt: skip
         return None
     return (f"--check-cuda needs the CUDA build of torch (no GPU needed); this torch {torch.__version__} is "
             "CPU-only. Install one in an environment of its own, e.g. `python3 -m venv .venv-cuda && "

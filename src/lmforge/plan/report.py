@@ -37,9 +37,14 @@ class PlanReport:
         return self.gpu.memory_gib * GIB * (1 - self.headroom)
 
     @property
+    def memory_known(self) -> bool:
+        """Whether this torch's memory tracker gave the step's memory."""
+        return bool(self.plan.memory)
+
+    @property
     def fits(self) -> bool:
-        """Whether the step's peak stays within the budget."""
-        return self.plan.peak_bytes <= self.budget_bytes
+        """Whether the step's peak stays within the budget (assumed when the memory is not known: see the notes)."""
+        return not self.memory_known or self.plan.peak_bytes <= self.budget_bytes
 
     @property
     def shortfall_gib(self) -> float:
@@ -61,7 +66,7 @@ class PlanReport:
         p = self.plan
         return {
             "gpu": self.gpu.name, "world_size": self.world_size, "gpus_per_node": self.gpus_per_node,
-            "fits": self.fits, "memory_bytes": p.memory, "peak_bytes": p.peak_bytes,
+            "fits": self.fits, "memory_known": self.memory_known, "memory_bytes": p.memory, "peak_bytes": p.peak_bytes,
             "budget_bytes": self.budget_bytes, "gpu_memory_bytes": self.gpu.memory_gib * GIB,
             "headroom": self.headroom, "tokens_per_step": p.tokens, "micro_batches": p.micro_batches,
             "flops_per_step": p.flops, "flops_6nd_per_step": p.dense_flops, "traced_flops": p.traced_flops,
@@ -85,6 +90,18 @@ def render(report: PlanReport, console: Console) -> None:
         console.print(f"  {what}: {choice}", highlight=False)
     console.print(f"  document lengths: {p.batches_source}", highlight=False)
 
+    if not report.memory_known:
+        console.print("[bold red]memory per GPU: not given by this torch (see the notes); the verdict is not "
+                      "checked[/]")  # fmt: skip
+    else:
+        _render_memory(report, console)
+    _render_speed(report, console)
+    for note in p.notes:
+        console.print(f"note: {note}", highlight=False)
+
+
+def _render_memory(report: PlanReport, console: Console) -> None:
+    p, gpu = report.plan, report.gpu
     memory = Table(title="memory per GPU at the step's peak (exact for the traced step)", title_justify="left")
     memory.add_column("category")
     memory.add_column("GiB", justify="right")
@@ -97,6 +114,9 @@ def render(report: PlanReport, console: Console) -> None:
                    f"{report.budget_bytes / GIB:.2f}  {verdict}")  # fmt: skip
     console.print(memory)
 
+
+def _render_speed(report: PlanReport, console: Console) -> None:
+    p, gpu = report.plan, report.gpu
     speed = Table(title=f"speed per GPU (estimates: roofline on {gpu.name} peak figures)", title_justify="left")
     speed.add_column("figure")
     speed.add_column("value", justify="right")
@@ -119,5 +139,3 @@ def render(report: PlanReport, console: Console) -> None:
             comms.add_row(kind, str(t.calls), f"{t.buffer_bytes / GIB:.3f}", f"{t.sent_bytes / GIB:.3f}",
                           f"{t.seconds * 1e3:.1f}")  # fmt: skip
         console.print(comms)
-    for note in p.notes:
-        console.print(f"note: {note}", highlight=False)

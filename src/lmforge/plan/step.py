@@ -110,9 +110,10 @@ class StepPlan:
     """What one step costs rank 0 of the target world."""
 
     memory: dict[str, float]
-    """Category -> bytes at the step's peak (`CATEGORIES`, plus `other` for anything the tracker names otherwise)."""
+    """Category -> bytes at the step's peak (`CATEGORIES`, plus `other` for anything the tracker names otherwise);
+    empty when this torch has no memory tracker (a note says so)."""
     peak_bytes: float
-    """Total bytes at the peak."""
+    """Total bytes at the peak (0 without a tracker)."""
     tokens: int
     """Tokens this rank computes per step (its share of each row under context parallelism)."""
     flops: float
@@ -166,9 +167,20 @@ def plan_tokenizer(config: TrainConfig, vocab_size: int | None) -> tuple[Tokeniz
     return cast(TokenizerInfo, AssumedVocabulary(vocab)), f"vocabulary: {vocab:,} token ids assumed ({why})"
 
 
-def _tracker(model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> Any:
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
+MEMORY_TRACKERS = ("torch.distributed._tools.fsdp2_mem_tracker", "torch.distributed._tools.mem_tracker")
+"""torch's private memory trackers the plan's memory figures come from."""
+
+
+def _tracker(model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], notes: list[str]) -> Any:
+    """torch's memory tracker for `model` and its optimizers; None, with a note, when this torch lacks it (the
+    plan then gives every figure but memory)."""
+    try:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+        from torch.distributed._tools.mem_tracker import MemTracker
+    except (ImportError, AttributeError) as e:
+        notes.append(f"memory not given: this torch {torch.__version__} lacks the memory trackers of "
+                     f"{' / '.join(MEMORY_TRACKERS)} ({e}); whether the step fits is not checked")  # fmt: skip
+        return None
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):
@@ -189,8 +201,11 @@ def _categories(snapshot: dict[str, int]) -> dict[str, float]:
 
 def fake_world(config: TrainConfig, world_size: int) -> DistContext:
     """Rank 0 of a fake process group of `world_size` ranks, with the run's device mesh (CPU)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as e:
+        raise ValueError(f"this torch {torch.__version__} has no fake process group "
+                         f"(torch.testing._internal.distributed.fake_pg: {e}); planning needs one") from e  # fmt: skip
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
@@ -246,20 +261,20 @@ def plan_step(
             optimizer = build_optimizer(model, config.optim, scale, config.schedule, config.max_steps)
             # The first step creates the optimizer state; the second, measured, is what every later step costs.
             _step(model, optimizer, micro_batches[:1], defer)
-            tracker = _tracker(model, optimizer.optimizers)
+            tracker = _tracker(model, optimizer.optimizers, notes)
             roofline, comms = Roofline(gpu), Collectives(gpu, gpus_per_node)
             marks: list[Tally] = []
             # The rank's first and last micro-batches stand for all: the middle ones repeat the first (same shapes,
             # and with `defer_grad_sync` the same missing reduction), and only the last reduce-scatters then.
             traced = [micro_batches[0], micro_batches[-1]] if len(micro_batches) > 1 else micro_batches
             mark = lambda first: _mark(marks, roofline, comms, None if first else tracker)  # noqa: E731
-            with _before_each_forward(model, mark), tracker, roofline, comms:
+            with _before_each_forward(model, mark), tracker or contextlib.nullcontext(), roofline, comms:
                 _mark(marks, roofline, comms)
                 run_micro_batches(model, traced, CPU, defer)
                 _mark(marks, roofline, comms)
                 _update(optimizer)
                 _mark(marks, roofline, comms)
-            snapshot = tracker.get_tracker_snapshot("peak")
+            snapshot = tracker.get_tracker_snapshot("peak") if tracker is not None else {}
         # Phases: the step's loss-token count, each traced micro-batch, the update.
         phases = [b - a for a, b in itertools.pairwise(marks)]
         if len(micro_batches) > 1:
@@ -270,7 +285,7 @@ def plan_step(
         else:
             update = phases[2]
             step = phases[0] + phases[1] + update
-        memory = _categories(next(iter(snapshot.values()), {}))
+        memory = _categories(next(iter(snapshot.values()), {})) if tracker is not None else {}
         counter = FlopCounter(model, arch.num_hidden_layers, arch.num_attention_heads, arch.dim_per_head)
         tokens = sum(mb.tokens for mb in micro_batches)
         pairs = attended_pairs(mb.doc_lens for mb in rows) / ctx.cp.size
