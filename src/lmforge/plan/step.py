@@ -248,7 +248,7 @@ def plan_step(
             # A model FSDP does not wrap (float32 on one GPU) is given storage by `to_empty`, which cannot swap out
             # parameters made under fake tensors: build it on the meta device first, outside them.
             model = build_run_model(config, tokenizer, dataclasses.replace(ctx, device=torch.device("meta")), target)
-        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(), host_row_tables():
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
             if unwrapped:
                 model.to_empty(device=CPU)
                 model.tie_weights()
@@ -259,6 +259,7 @@ def plan_step(
             init = config.model.init
             scale = role_scales(arch, init.scheme, init.base_hidden_size, init.base_num_layers)
             optimizer = build_optimizer(model, config.optim, scale, config.schedule, config.max_steps)
+            host_row_tables(optimizer.optimizers)
             # The first step creates the optimizer state; the second, measured, is what every later step costs.
             _step(model, optimizer, micro_batches[:1], defer)
             tracker = _tracker(model, optimizer.optimizers, notes)
