@@ -36,13 +36,20 @@ terms: lmforge eager >= 1.0x plain eager and lmforge compiled >= 0.95x plain com
 live peak <= 1.1x plain eager's. The eager losses agree with lmforge's to float rounding of the same operations;
 compiled ones differ by the rounding of fused kernels; the report gives the largest difference per side.
 
+The machine's speed also drifts by several percent over tens of seconds, more than the gap between the sides, so
+two more spawned processes run each pair (lmforge eager and the plain eager loop, then both compiled) side by side,
+one step of each in turn for `--interleaved` rounds (which goes first alternates), and report the ratio of their
+median step times: a slowdown then falls on both alike. They run with the first allocator setting of
+`--allocators`.
+
 torch's thread pool is sized to the machine, so any other busy process stalls its barriers and can slow a step
 several times over. Before each run the script waits (`--quiet-wait` seconds at most) for the CPUs to go idle, and
 it reports the cores other processes used during each run's timed steps; a best run that shared the CPUs is
 flagged as unreliable.
 
     .venv/bin/python benchmarks/overhead.py [--steps N] [--warmup N] [--repeats N] [--threads N] [--quiet-wait S]
-                                            [--allocators lmforge,default] [--no-live-memory] [--json PATH]
+                                            [--allocators lmforge,default] [--no-live-memory] [--interleaved N]
+                                            [--json PATH]
     .venv/bin/python benchmarks/overhead.py --smoke      # tiny model, 2 steps (~60 s, most of it compiling)
 
 The script always exits 0 when every side ran (it is a benchmark, not a test); PASS/MISS marks each target.
@@ -51,11 +58,14 @@ The script always exits 0 when every side ran (it is a benchmark, not a test); P
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import resource
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -64,7 +74,7 @@ import torch
 from rich.console import Console
 
 import common
-from cpu_load import settle
+from cpu_load import ForeignLoad, settle
 from lmforge.checkpoint.run_dir import prepare_output_dir
 from lmforge.config import TrainConfig
 from lmforge.config.checks import check_config
@@ -87,6 +97,8 @@ MEMORY_TARGET = 1.10
 LABELS = {"lmforge": "lmforge", "lmforge_compiled": "lmforge compiled", "plain_eager": "plain eager",
           "plain_compiled": "plain compiled"}  # fmt: skip
 ALLOCATORS, ALLOCATOR_LABELS = common.ALLOCATORS, common.ALLOCATOR_LABELS
+INTERLEAVED_ROUNDS = 30
+"""Rounds of the step-by-step comparison in one process (one lmforge and one plain eager step each)."""
 FOREIGN_LIMIT = 0.1
 """Cores of foreign load above which a run's throughput is flagged as unreliable."""
 MMAP_ENV, MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_", "131072"
@@ -167,8 +179,10 @@ def peak_rss_mib() -> float:
 # ---------------------------------------------------------------------------------------------- the two sides
 
 
-def run_lmforge(settings: Settings, compiled: bool) -> common.Steps[float]:
-    """lmforge's loop: a Trainer in a process group of one, stepped with its own data stream and `train_step`."""
+@contextlib.contextmanager
+def lmforge_steps(settings: Settings, compiled: bool) -> Iterator[Callable[[], float]]:
+    """lmforge's loop: a Trainer in a process group of one, stepped with its own data stream and `train_step`;
+    yields a function that runs one step and returns its loss."""
     ctx = init_distributed()
     try:
         with tempfile.TemporaryDirectory(prefix="lmforge-overhead-") as tmp:
@@ -184,15 +198,16 @@ def run_lmforge(settings: Settings, compiled: bool) -> common.Steps[float]:
                 return trainer.train_step(micro_batches, time.perf_counter() - t0)["loss/mean"]
 
             try:
-                return common.timed_steps(settings.warmup, settings.steps, lambda _: step())
+                yield step
             finally:
                 trainer.close()
     finally:
         shutdown_distributed()
 
 
-def run_plain(settings: Settings, compiled: bool) -> common.Steps[float]:
-    """The loop a researcher writes by hand (`plain_loop.py`): no process group, no statistics beyond the loss."""
+def plain_steps(settings: Settings, compiled: bool) -> Callable[[], float]:
+    """The loop a researcher writes by hand (`plain_loop.py`), no process group, no statistics beyond the loss: a
+    function that runs one step and returns its loss."""
     # The same initial weights as lmforge's side: an lmforge model initialized from the same seed, copied in.
     arch, vocab = settings.llama_arch(), padded_vocab_size(settings.vocab_size)
     reference = build_model(arch, vocab, "auto", torch.device("cpu"))
@@ -223,11 +238,46 @@ def run_plain(settings: Settings, compiled: bool) -> common.Steps[float]:
 
     def step() -> float:
         micro_batches = data.next_step()
-        return trainer.step(
-            [Batch(mb.input_ids, mb.target_ids, mb.position_ids, mb.doc_lens) for mb in micro_batches]
-        )
+        return trainer.step([Batch(mb.input_ids, mb.target_ids, mb.position_ids, mb.doc_lens) for mb in micro_batches])
 
+    return step
+
+
+def run_lmforge(settings: Settings, compiled: bool) -> common.Steps[float]:
+    """Time lmforge's steps (`lmforge_steps`)."""
+    with lmforge_steps(settings, compiled) as step:
+        return common.timed_steps(settings.warmup, settings.steps, lambda _: step())
+
+
+def run_plain(settings: Settings, compiled: bool) -> common.Steps[float]:
+    """Time the plain loop's steps (`plain_steps`)."""
+    step = plain_steps(settings, compiled)
     return common.timed_steps(settings.warmup, settings.steps, lambda _: step())
+
+
+def measure_interleaved(settings: Settings, rounds: int, compiled: bool) -> dict[str, Any]:
+    """lmforge and the plain loop, both eager or both compiled, in this (spawned) process, one step of each in turn
+    for `rounds` rounds (which goes first alternates), after `settings.warmup` steps of each: a slowdown of the
+    machine that lasts seconds falls on both sides alike. Returns the median step times and their ratio."""
+    torch.set_num_threads(settings.threads)
+    ours = "lmforge_compiled" if compiled else "lmforge"
+    theirs = PAIRS[ours]
+    times: dict[str, list[float]] = {ours: [], theirs: []}
+    with lmforge_steps(settings, compiled) as lmforge_step:
+        steps = {ours: lmforge_step, theirs: plain_steps(settings, compiled)}
+        for _ in range(settings.warmup):
+            for step in steps.values():
+                step()
+        load = ForeignLoad()
+        load.start()
+        for r in range(rounds):
+            for side in common.in_turn(list(steps), r):
+                t0 = time.perf_counter()
+                steps[side]()
+                times[side].append(time.perf_counter() - t0)
+    medians = {side: statistics.median(ts) for side, ts in times.items()}
+    return {"rounds": rounds, "median_step_s": medians, "ratio": medians[theirs] / medians[ours],
+            "foreign_cores": load.cores(sum(sum(ts) for ts in times.values()))}  # fmt: skip
 
 
 def measure_side(side: str, settings: Settings) -> dict[str, Any]:
@@ -325,6 +375,16 @@ def print_report(summary: dict[str, Any], console: Console) -> None:
         table.add_row(f"{LABELS[ours]} / {LABELS[theirs]}", *cells)
     table.add_row("target", *(" / ".join(f">= {t:.2f}x" for t in THROUGHPUT_TARGETS.values()) for _ in allocators))
     console.print(table)
+    for ours, mixed in (summary.get("interleaved") or {}).items():
+        theirs = PAIRS[ours]
+        ms = mixed["median_step_s"]
+        console.print(
+            f"{LABELS[ours]} and {LABELS[theirs]} step by step in one process ({mixed['rounds']} rounds, "
+            f"{ALLOCATOR_LABELS[mixed['allocator']]}): median step {ms[ours] * 1e3:.1f} ms against "
+            f"{ms[theirs] * 1e3:.1f} ms; {mixed['ratio']:.3f}x "
+            f"{common.verdict(mixed['ratio'] >= THROUGHPUT_TARGETS[ours])} (target >= {THROUGHPUT_TARGETS[ours]:.2f}x)",
+            highlight=False,
+        )
     live = summary["live_peak_mib"]
     if live:
         peaks = ", ".join(f"{LABELS[side]} {mib:,.1f} MiB" for side, mib in live.items())
@@ -363,6 +423,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--allocators",
         default=",".join(ALLOCATORS),
         help="the allocator settings every side runs with in turn: lmforge (its malloc thresholds), default (glibc's)",
+    )
+    p.add_argument(
+        "--interleaved",
+        type=int,
+        default=None,
+        metavar="ROUNDS",
+        help="rounds of the step-by-step comparisons of lmforge and the plain loop in one process, eager and compiled "
+        "(default 30, smoke 3; 0 skips them)",
     )
     p.add_argument(
         "--no-live-memory",
@@ -406,7 +474,16 @@ def main(argv: list[str] | None = None) -> int:
             result = run_side(side, replace(settings, warmup=warmup, steps=steps), {MMAP_ENV: MMAP_THRESHOLD})
             console.print(f"live-memory run {LABELS[side]:>14}: peak +{result['peak_mib']:,.1f} MiB", highlight=False)
             memory_runs.append(result)
+    rounds = args.interleaved if args.interleaved is not None else (3 if args.smoke else INTERLEAVED_ROUNDS)
+    interleaved: dict[str, Any] = {}
+    for ours in PAIRS if rounds > 0 else ():
+        settle(quiet_wait)
+        result = common.run_in_child(measure_interleaved, (settings, rounds, ours == "lmforge_compiled"),
+                                     f"overhead-interleaved-{ours}", ALLOCATORS[allocators[0]])  # fmt: skip
+        interleaved[ours] = {**common.raise_for_error(result, f"the interleaved {ours} run"),
+                             "allocator": allocators[0]}  # fmt: skip
     summary = summarize(runs, memory_runs, settings)
+    summary["interleaved"] = interleaved
     print_report(summary, console)
     common.write_json(args.json, summary)
     if not all(math.isfinite(d) for d in summary["max_loss_diff"].values()):

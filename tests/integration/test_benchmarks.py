@@ -46,6 +46,15 @@ def check_overhead(figures: Any, result: Result, tmp_path: Path) -> None:
     for side in sides[1:]:
         assert figures["first_loss"][side] == pytest.approx(figures["first_loss"]["lmforge"], abs=1e-5)
         assert figures["max_loss_diff"][side] < 1e-4
+    # the step-by-step comparisons in one process: 3 rounds of one step per side, under the first allocator setting
+    pairs = {"lmforge": "plain_eager", "lmforge_compiled": "plain_compiled"}
+    assert set(figures["interleaved"]) == set(pairs)
+    for ours, theirs in pairs.items():
+        mixed = figures["interleaved"][ours]
+        assert mixed["rounds"] == 3 and mixed["allocator"] == "lmforge"
+        assert mixed["ratio"] == pytest.approx(mixed["median_step_s"][theirs] / mixed["median_step_s"][ours])
+    assert "lmforge and plain eager step by step in one process (3 rounds" in result.stdout
+    assert "lmforge compiled and plain compiled step by step" in result.stdout
 
 
 def check_peers(figures: Any, result: Result, tmp_path: Path) -> None:
@@ -101,16 +110,6 @@ def check_attention_switch(figures: Any, result: Result, tmp_path: Path) -> None
     assert [(r["tokens"], r["segments"]) for r in rows] == [(256, 1), (256, 4), (256, 32)]
     assert all(r["loop_ms"] > 0 and r["dense_ms"] > 0 for r in rows)
     assert "per-segment" in result.stdout and "masked" in result.stdout
-
-
-def check_causal_split(figures: Any, result: Result, tmp_path: Path) -> None:
-    """`causal_split.py --smoke` times both sides."""
-    from lmforge.model.cpu_attention import CPU_SPLIT_LENGTHS
-
-    rows = figures["rows"]
-    assert [(r["length"], r["split"]) for r in rows] == [(CPU_SPLIT_LENGTHS[0] - 1, False), (512, True)]
-    assert all(r["plain_ms"] > 0 and r["lmforge_ms"] > 0 and r["rows_128_ms"] > 0 for r in rows)
-    assert "lmforge / plain" in result.stdout and "rows=128" in result.stdout
 
 
 def check_data(figures: Any, result: Result, tmp_path: Path) -> None:
@@ -298,7 +297,6 @@ BENCHMARKS = [
     pytest.param("overhead.py", ["--no-live-memory"], 240, check_overhead, id="overhead"),
     pytest.param("peers.py", ["--profile", "{tmp}/profiles", "--quiet-wait", "0"], 240, check_peers, id="peers"),
     pytest.param("attention_switch.py", [], 120, check_attention_switch, id="attention_switch"),
-    pytest.param("causal_split.py", ["--rows", "128"], 120, check_causal_split, id="causal_split"),
     pytest.param("data.py", ["--pool-dir", "{tmp}/pool"], 120, check_data, id="data"),
     pytest.param("checkpoint.py", ["--dir", "{tmp}/ckpt"], 120, check_checkpoint, id="checkpoint"),
     pytest.param("lr_transfer.py", ["--data-dir", "{tmp}/demo"], 240, check_lr_transfer, id="lr_transfer"),

@@ -1,5 +1,5 @@
-"""The CPU's per-segment attention (`sdpa_loop` and `auto` on the CPU): exact against explicit-mask softmax, split
-calls only where they pay, and gradients written per run."""
+"""The CPU's per-segment attention (`sdpa_loop` and `auto` on the CPU): exact against explicit-mask softmax, one
+kernel call per run of equal-length segments, and gradients written per run."""
 
 from __future__ import annotations
 
@@ -8,10 +8,8 @@ import torch
 
 import lmforge.model.cpu_attention as cpu_attention
 from lmforge.model.attention import DocumentMask, get_attention
-from lmforge.model.cpu_attention import CPU_SPLIT_LENGTHS, cpu_segment_attention, pieces
+from lmforge.model.cpu_attention import cpu_segment_attention
 from tests.unit.test_attention import reference
-
-LOW, HIGH = CPU_SPLIT_LENGTHS
 
 
 def qkv(total: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
@@ -23,10 +21,10 @@ def qkv(total: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize(
     "doc_lens",
     [
-        [512],  # one window: split
-        [LOW, LOW + 1, HIGH - 1],  # both ends of the split range, an odd length
-        [LOW - 1, HIGH],  # just outside it: one call each
-        [300, 300, 300, 40, 40, 7, 1, 1, 600],  # runs of equal lengths, split and not, one-token segments
+        [512],  # one window
+        [192, 193, 767],  # lengths on both sides of the kernel's 512-key blocks, an odd length
+        [191, 768],
+        [300, 300, 300, 40, 40, 7, 1, 1, 600],  # runs of equal lengths, one-token segments
     ],
 )
 def test_equals_explicit_mask_softmax_with_gradients(doc_lens: list[int]) -> None:
@@ -62,25 +60,8 @@ def test_float32_matches_torch_sdpa_per_segment() -> None:
         torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
 
 
-def test_split_only_inside_its_lengths() -> None:
-    def layout(length: int) -> list[tuple[slice, int, bool]]:
-        return [(p.rows, p.keys, p.causal) for p in pieces(length)]
-
-    assert layout(512) == [(slice(64 * i, 64 * (i + 1)), 64 * (i + 1), i == 0) for i in range(8)]
-    # 301 tokens: 5 calls of 60-61 queries, each over the keys up to its last query.
-    assert layout(301) == [(slice(0, 60), 60, True), (slice(60, 120), 120, False), (slice(120, 181), 181, False),
-                           (slice(181, 241), 241, False), (slice(241, 301), 301, False)]  # fmt: skip
-    for length in (1, LOW - 1, HIGH, 2048):
-        assert layout(length) == [(slice(0, length), length, True)]
-    for length in (LOW, HIGH - 1):
-        assert layout(length)[-1][:2] == (slice(layout(length)[-1][0].start, length), length)
-    mask = pieces(384)[2].mask(torch.float32)  # rows 128..191 over 192 keys
-    assert mask is not None and mask.shape == (64, 192)
-    assert torch.equal(mask == 0, torch.ones(64, 192, dtype=torch.bool).tril(128))
-
-
 def test_kernel_calls_per_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Whole windows are one batched call per piece; a document-masked row one call per run of equal lengths.
+    # Whole windows are one batched call; a document-masked row one call per run of equal lengths.
     calls: list[tuple[int, int, int, bool]] = []
     flash = cpu_attention._flash
 
@@ -92,10 +73,10 @@ def test_kernel_calls_per_run(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v = (x.detach() for x in qkv(8 * 512, torch.float32, seed=0))
     mask = DocumentMask.from_doc_lens(torch.tensor([512] * 8), q.device)
     get_attention("auto")(q, k, v, mask)
-    assert calls == [(8, 64, 64 * (i + 1), i > 0) for i in range(8)]
+    assert calls == [(8, 512, 512, False)]
     calls.clear()
     cpu_segment_attention(q[:650], k[:650], v[:650], [100, 100, 150, 300])
-    assert calls == [(2, 100, 100, False), (1, 150, 150, False)] + [(1, 60, 60 * (i + 1), i > 0) for i in range(5)]
+    assert calls == [(2, 100, 100, False), (1, 150, 150, False), (1, 300, 300, False)]
 
 
 def test_bf16_runs_and_stays_close() -> None:

@@ -40,7 +40,6 @@ from torch.utils._pytree import tree_flatten
 
 from lmforge.config.train import TrainConfig
 from lmforge.model.attention import describe_backend
-from lmforge.model.cpu_attention import clear_cached_masks
 from lmforge.parallel.context import shard_micro_batch
 from lmforge.parallel.fsdp import resolve_param_dtype
 from lmforge.parallel.model_setup import build_run_model
@@ -234,7 +233,6 @@ def check_cuda(
     if vocab_note:
         notes.append(vocab_note)
     problems: Counter[CudaProblem] = Counter()
-    clear_cached_masks()
     ctx = fake_world(config, world_size)
     try:
         rows = plan_batches(config, None if vocab_note else tokenizer, ctx.dp_size, doc_len).micro_batches
@@ -289,7 +287,6 @@ def check_cuda(
         )  # fmt: skip
     finally:
         dist.destroy_process_group()
-        clear_cached_masks()
 
 
 def render_check(check: CudaCheck, console: Any) -> None:

@@ -29,7 +29,6 @@ from lmforge.config.train import TrainConfig
 from lmforge.data.tokenizer import TokenizerError, TokenizerInfo, load_tokenizer
 from lmforge.model.attention import describe_backend
 from lmforge.model.completep import role_scales
-from lmforge.model.cpu_attention import clear_cached_masks
 from lmforge.optim import build_optimizer
 from lmforge.parallel.context import shard_micro_batch
 from lmforge.parallel.fsdp import fsdp_wraps, resolve_param_dtype
@@ -234,7 +233,6 @@ def plan_step(
     tokenizer, vocab_note = plan_tokenizer(config, vocab_size)
     if vocab_note:
         notes.append(vocab_note)
-    clear_cached_masks()  # every plan starts as a fresh process does: its cached tensors are counted when made
     ctx = fake_world(config, world_size)
     try:
         batches = plan_batches(config, None if vocab_note else tokenizer, ctx.dp_size, doc_len)
@@ -321,8 +319,6 @@ def plan_step(
         )  # fmt: skip
     finally:
         dist.destroy_process_group()
-        if fake:
-            clear_cached_masks()
 
 
 def _step(model: torch.nn.Module, optimizer: Any, micro_batches: list[Any], defer: bool) -> None:
