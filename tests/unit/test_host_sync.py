@@ -5,8 +5,8 @@ read-back of its reduction.
 run whole `train_step`s under it, from the first micro-batch to the end of the optimizer update (dense with Muon
 and AdamW, MoE with grouped experts and the sign or quantile balancing rule, the research options, chunked loss,
 activation checkpointing, emulated FP8, SFT; on two processes FSDP with sharded Muon, deferred gradient sync,
-context parallelism and expert parallelism), and one validation round (token sets, ppl, ctxcont and pairs sets,
-held-out SFT samples), and fail naming the line of any read. The reads that must stay are named below
+context parallelism, hybrid sharding and expert parallelism), and one validation round (token sets, ppl, ctxcont
+and pairs sets, held-out SFT samples), and fail naming the line of any read. The reads that must stay are named below
 (`REDUCTION_READ`, `LOOP_READ`, `EP_READ`) and listed in docs/gpu.md with their reasons.
 """
 
@@ -354,13 +354,19 @@ def _two_rank_worker(rank: int, port: int, tmp: str) -> None:
         "moe-loop": {"model": {"arch": tiny_glm().model_dump()}},
         "validation": _val_files(tmp_path / f"files{rank}"),
         "cp2": {"parallel": {"cp": 2}},
-        "moe-quantile-cp2": {"model": {"arch": tiny_glm().model_dump(), "moe_balance": {"rule": "quantile"}},
-                             "parallel": {"cp": 2}},
+        "moe-quantile-cp2": {
+            "model": {"arch": tiny_glm().model_dump(), "moe_balance": {"rule": "quantile"}},
+            "parallel": {"cp": 2},
+        },
+        # hybrid sharding: 2 replica groups of one rank (the gradient norm's replica scaling, Muon on the groups)
+        "hsdp": {"parallel": {"dp_replicate": 2}},
     }
     with pytest.MonkeyPatch.context() as monkeypatch:
         for name, overrides in cases.items():
             cp = overrides.get("parallel", {}).get("cp", 1)
-            trainer = build(_config(tmp_path / name, **overrides), init_distributed(timeout_minutes=2, cp=cp), name)
+            replicas = overrides.get("parallel", {}).get("dp_replicate", 1)
+            ctx = init_distributed(timeout_minutes=2, cp=cp, dp_replicate=replicas)
+            trainer = build(_config(tmp_path / name, **overrides), ctx, name)
             detector, names = run_checked(trainer, monkeypatch)
             found[name] = reads(detector) + (["no step"] * ("loss/mean" not in names))
     Path(tmp, f"rank{rank}.json").write_text(json.dumps(found))
@@ -372,7 +378,7 @@ def test_two_processes_with_fsdp_never_read_the_device(tmp_path: Path) -> None:
     results = run_ranks(_two_rank_worker, (free_port(), str(tmp_path)), tmp_path, timeout=240)
     for rank, found in enumerate(results):
         assert set(found) == {"dense", "dense-deferred", "moe-grouped-deferred", "moe-loop", "validation", "cp2",
-                              "moe-quantile-cp2", "moe-ep"}  # fmt: skip
+                              "moe-quantile-cp2", "hsdp", "moe-ep"}  # fmt: skip
         assert found["moe-ep"] == [], f"rank {rank}: {found['moe-ep']}"
         checked = {case: reads for case, reads in found.items() if case != "moe-ep"}
         assert all(expected_reads(case, reads) for case, reads in checked.items()), f"rank {rank}: {found}"

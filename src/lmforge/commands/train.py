@@ -69,7 +69,8 @@ def main(argv: list[str]) -> int:
     from lmforge.train.trainer import Trainer
 
     timeout = config.parallel.timeout_s
-    ctx = init_distributed(timeout_minutes=timeout / 60, cp=config.parallel.cp, ep=config.parallel.ep)
+    ctx = init_distributed(timeout_minutes=timeout / 60, cp=config.parallel.cp, ep=config.parallel.ep,
+                           dp_replicate=config.parallel.dp_replicate)  # fmt: skip
     heartbeat = Heartbeat(ctx.rank, ctx.world_size, min(2.0, timeout / 10)) if ctx.world_size > 1 else None
     try:
         try:

@@ -16,6 +16,9 @@ def config_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
         )
     problems += context_problems(config, world_size)
     problems += expert_problems(config, world_size)
+    replicas = config.parallel.dp_replicate
+    if world_size % replicas:
+        problems.append(("parallel.dp_replicate", f"{replicas} does not divide the world size {world_size}"))
     cp = config.parallel.cp
     groups = world_size // cp if world_size % cp == 0 else world_size
     per_step = data.micro_batch_tokens * groups

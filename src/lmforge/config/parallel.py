@@ -23,6 +23,13 @@ class ParallelConfig(Section):
     size and the number of routed experts. Expert weights are FSDP-sharded over the world size / ep ranks holding
     the same experts; see docs/training.md."""
 
+    dp_replicate: int = Field(default=1, ge=1)
+    """Hybrid sharding (HSDP): the ranks form this many replica groups of world size / dp_replicate consecutive
+    ranks each. FSDP shards parameters, gradients and optimizer state within a group (its all-gathers and
+    reduce-scatters stay inside it: put a group on one node), and gradients are all-reduced across the groups.
+    Every rank still trains on rows of its own. 1 (the default) shards over every rank. Expert stacks under
+    parallel.ep keep sharding over all the ranks holding the same experts; see docs/training.md."""
+
     timeout_s: float = Field(default=300.0, gt=0)
     """Seconds a rank waits in one collective (an all-reduce, a checkpoint's agreement) for the others before it
     gives up and exits, naming the ranks that stopped answering. Raise it when one rank may legitimately work alone

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 import torch
@@ -24,16 +25,31 @@ def local_grad(p: torch.Tensor) -> torch.Tensor | None:
     return g.to_local() if hasattr(g, "to_local") else g
 
 
+def replicas(p: torch.Tensor) -> int:
+    """How many ranks hold the same part of `p`: the sizes of the mesh dimensions a DTensor is replicated along
+    (HSDP's replica groups), 1 for a plain tensor or one sharded along every dimension of its mesh."""
+    placements = getattr(p, "placements", None)
+    if placements is None:
+        return 1
+    return math.prod(p.device_mesh.size(d) for d, placement in enumerate(placements) if placement.is_replicate())
+
+
 def group_grad_squares(optimizer: Grouped, device: torch.device) -> dict[str, torch.Tensor]:
     """Per group, the sum of squares of this rank's gradient entries (fp32, on the device, no host sync); summed
-    over ranks they give each group's squared gradient norm."""
+    over ranks they give each group's squared gradient norm. A part that several ranks hold (HSDP) counts 1 / its
+    replicas on each of them, so it counts once in the sum."""
     out: dict[str, torch.Tensor] = {}
     for group in optimizer.param_groups:
-        grads = [g for g in (local_grad(p) for p in group["params"]) if g is not None and g.numel()]
+        by_replicas: dict[int, list[torch.Tensor]] = {}
+        for p in group["params"]:
+            g = local_grad(p)
+            if g is not None and g.numel():
+                by_replicas.setdefault(replicas(p), []).append(g)
         total = torch.zeros((), device=device, dtype=torch.float32)
-        if grads:
+        for count, grads in by_replicas.items():
             norms = torch._foreach_norm(grads, 2.0)
-            total = torch.stack([n.float() for n in norms]).square().sum()
+            squares = torch.stack([n.float() for n in norms]).square().sum()
+            total = total + (squares if count == 1 else squares / count)
         out[group["name"]] = total
     return out
 

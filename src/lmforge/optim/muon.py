@@ -120,12 +120,18 @@ def _shard_group(p: Tensor) -> dist.ProcessGroup | None:
         return None
     if mesh.size() == 1 or all(pl.is_replicate() for pl in p.placements):
         return None
-    if mesh.ndim != 1 or p.placements[0] != Shard(0):
+    sharded = [d for d, pl in enumerate(p.placements) if not pl.is_replicate()]
+    if len(sharded) != 1 or p.placements[sharded[0]] != Shard(0):
         raise NotImplementedError(
-            f"Muon supports DTensors sharded Shard(0) over a 1-D mesh (FSDP2's default), got placements "
-            f"{p.placements} on a {mesh.ndim}-D mesh for a parameter of shape {tuple(p.shape)}"
+            f"Muon supports DTensors sharded Shard(0) along one mesh dimension and replicated along the others "
+            f"(FSDP2 and HSDP), got placements {p.placements} on a {mesh.ndim}-D mesh for a parameter of shape "
+            f"{tuple(p.shape)}"
         )
-    return mesh.get_group()
+    if mesh.size(sharded[0]) == 1:
+        return None  # replica groups of one rank: each holds whole matrices
+    # Under HSDP every replica group holds the same gradient (reduced across the groups), so each orthogonalizes
+    # its own copy over the ranks it is sharded across, and all groups reach the same update.
+    return mesh.get_group(sharded[0])
 
 
 def _flat_cat(parts: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -184,8 +190,9 @@ class Muon(torch.optim.Optimizer):
     buffers hold about one sharded copy of the matrices per rank. Plain tensors, meshes of one rank and replicated
     DTensors take the local path, with no collectives. The
     collectives run on the device of the local shards, which the group's backend must support (so FSDP2's CPU
-    offload under NCCL is not supported). Of sharded matrix layouts only `Shard(0)` over a 1-D mesh is supported;
-    others raise.
+    offload under NCCL is not supported). Of sharded matrix layouts only `Shard(0)` along one mesh dimension is
+    supported, replicated along any others (HSDP's replica groups: each group orthogonalizes its own copy over the
+    ranks it is sharded across, and all groups, holding the same gradient, reach the same update); others raise.
 
     Sharded expert stacks: FSDP2 splits a stack along dim 0, so each rank's shard holds whole experts (after a
     `torch.chunk` split, possibly none). Each rank runs the batched Newton–Schulz on its local experts and its own

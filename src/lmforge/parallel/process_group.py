@@ -31,7 +31,9 @@ class DistContext:
     device: torch.device
     """The compute device of this rank."""
     mesh: DeviceMesh
-    """1-D mesh over all ranks: FSDP shards parameters over every rank, data-parallel and context-parallel alike."""
+    """FSDP's mesh over all ranks: 1-D, sharding parameters over every rank (data-parallel and context-parallel
+    alike), or with `parallel.dp_replicate` > 1 2-D (replicate, shard): replica groups of consecutive ranks, each
+    sharding within itself (HSDP)."""
     cp: ContextShard = field(default_factory=lambda: ContextShard(None, 0, 1))
     """This rank's context-parallel group (size 1 without context parallelism)."""
     ep: ExpertShard = NO_EXPERT_PARALLEL
@@ -54,11 +56,12 @@ class DistContext:
         return self.rank == 0
 
 
-def init_distributed(timeout_minutes: float = 30.0, cp: int = 1, ep: int = 1) -> DistContext:
+def init_distributed(timeout_minutes: float = 30.0, cp: int = 1, ep: int = 1, dp_replicate: int = 1) -> DistContext:
     """Start (or join) the process group from torchrun's environment, or as a group of one. With `cp` > 1,
     consecutive ranks form the context-parallel groups of a 2-D (dp, cp) device mesh; with `ep` > 1, consecutive
     ranks form the expert-parallel groups of a 2-D (expert FSDP, ep) mesh, across data- and context-parallel
-    ranks alike."""
+    ranks alike; with `dp_replicate` > 1, FSDP's mesh is 2-D (replicate, shard): that many groups of consecutive
+    ranks (HSDP)."""
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
@@ -77,7 +80,13 @@ def init_distributed(timeout_minutes: float = 30.0, cp: int = 1, ep: int = 1) ->
     world = dist.get_world_size()
     if world % cp:
         raise ValueError(f"parallel.cp = {cp} does not divide the world size {world}")
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    if world % dp_replicate:
+        raise ValueError(f"parallel.dp_replicate = {dp_replicate} does not divide the world size {world}")
+    if dp_replicate > 1:
+        mesh = init_device_mesh(device.type, (dp_replicate, world // dp_replicate),
+                                mesh_dim_names=("replicate", "shard"))  # fmt: skip
+    else:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     rank = dist.get_rank()
     shard = ContextShard(None, 0, 1)
     if cp > 1:
