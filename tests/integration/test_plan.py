@@ -121,6 +121,20 @@ def test_planned_memory_equals_a_real_cpu_step(dtype: str, ac: str) -> None:
         assert planned.memory[category] == real.memory[category]
 
 
+def test_a_multi_node_step_bound_by_its_collectives_is_told_what_hybrid_sharding_changes(tmp_path: Path) -> None:
+    args = ("@", "examples/pretrain/llama-150m.toml", "--gpus", "16", "--gpus-per-node", "4",
+            "--data.micro_batch_tokens", "2048")  # fmt: skip
+    result, plan = _plan(tmp_path, *args)
+    assert plan["comm_seconds"] > plan["compute_seconds"]  # 4 nodes, 8 micro-batches, every all-gather across nodes
+    hint = plan["hybrid_sharding_hint"]
+    assert "--parallel.dp_replicate 4" in hint and "hint: communication-bound" in result.stdout
+    # the hint is the plan of that layout
+    _, hybrid = _plan(tmp_path, *args, "--parallel.dp_replicate", "4")
+    assert hybrid["comm_seconds"] < plan["comm_seconds"] and "hybrid_sharding_hint" not in hybrid
+    assert f"at {hybrid['comm_seconds']:.2f} s of collectives" in hint
+    assert f"{hybrid['peak_bytes'] / 2**30:.1f} GiB per GPU (fits)" in hint
+
+
 def _fake_at_two() -> object:
     config, _ = load_train_config(["@", str(ROOT / "examples/pretrain/fake.toml")], 2)
     return config

@@ -158,11 +158,12 @@ def plan_and_report(
 ) -> dict[str, Any]:
     """Plan one step of `config` on `world` GPUs, print the report (and, when it does not fit, one line on stderr
     naming the shortfall and the changes that fit, planned when `suggest`); returns every figure
-    (`PlanReport.to_json`, with `suggestions` when it does not fit). Raises ValueError for a config the target
+    (`PlanReport.to_json`, with `suggestions` when it does not fit, and `hybrid_sharding_hint` when a multi-node
+    step is bound by its collectives and `suggest`). Raises ValueError for a config the target
     GPU cannot run at all (FP8 on a GPU without FP8 tensor cores)."""
     from rich.console import Console
 
-    from lmforge.plan.fit import suggestions
+    from lmforge.plan.fit import hybrid_sharding_hint, suggestions
     from lmforge.plan.report import PlanReport, render
     from lmforge.plan.step import plan_step
 
@@ -181,6 +182,10 @@ def plan_and_report(
     render(report, console)
     console.print(f"planned in {time.perf_counter() - start:.1f} s")
     result = report.to_json()
+    hint = hybrid_sharding_hint(config, report, plan) if suggest else ""
+    if hint:
+        console.print(f"hint: {hint}", highlight=False)
+        result["hybrid_sharding_hint"] = hint
     if not report.fits:
         hints = suggestions(config, plan) if suggest else []
         result["suggestions"] = hints

@@ -1,6 +1,7 @@
 """What would make a config that does not fit fit: the largest `data.micro_batch_tokens` (halving, in whole
 windows) and the lightest activation checkpointing (`selective`, then `full`, every block) at the configured
-micro-batch, each planned again."""
+micro-batch, each planned again; and for a multi-node step bound by its collectives, what hybrid sharding (one
+replica group per node) would change."""
 
 from __future__ import annotations
 
@@ -42,3 +43,23 @@ def suggestions(config: TrainConfig, plan: Callable[[TrainConfig], PlanReport]) 
                 found.append(f"--model.ac.mode {mode} --model.ac.freq 1 (recomputes activations in backward)")
                 break
     return found
+
+
+def _with_replicas(config: TrainConfig, replicas: int) -> TrainConfig:
+    parallel = config.parallel.model_copy(update={"dp_replicate": replicas})
+    return config.model_copy(update={"parallel": parallel})
+
+
+def hybrid_sharding_hint(config: TrainConfig, report: PlanReport, plan: Callable[[TrainConfig], PlanReport]) -> str:
+    """For a step of several nodes that plain FSDP leaves bound by its collectives, the plan of the same config
+    with one replica group per node (`parallel.dp_replicate`), in one line; empty otherwise."""
+    step, world, per_node = report.plan, report.world_size, report.gpus_per_node
+    nodes = world // per_node
+    if config.parallel.dp_replicate > 1 or nodes < 2 or world % per_node or step.comm_seconds <= step.compute_seconds:
+        return ""
+    hybrid = plan(_with_replicas(config, nodes))
+    fits = "fits" if hybrid.fits else f"does not fit: {hybrid.shortfall_gib:.2f} GiB over"
+    return (f"communication-bound ({step.comm_seconds:.2f} s of collectives against {step.compute_seconds:.2f} s of "
+            f"compute): with --parallel.dp_replicate {nodes} (FSDP within each node) the step plans at "
+            f"{hybrid.plan.comm_seconds:.2f} s of collectives, {hybrid.plan.step_seconds:.2f} s a step and "
+            f"{hybrid.plan.peak_bytes / 2**30:.1f} GiB per GPU ({fits})")  # fmt: skip
