@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
 
     timeout = config.parallel.timeout_s
     ctx = init_distributed(timeout_minutes=timeout / 60, cp=config.parallel.cp, ep=config.parallel.ep,
-                           dp_replicate=config.parallel.dp_replicate)  # fmt: skip
+                           dp_replicate=config.parallel.dp_replicate, tp=config.parallel.tp)  # fmt: skip
     heartbeat = Heartbeat(ctx.rank, ctx.world_size, min(2.0, timeout / 10)) if ctx.world_size > 1 else None
     try:
         try:

@@ -16,14 +16,15 @@ def config_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
         )
     problems += context_problems(config, world_size)
     problems += expert_problems(config, world_size)
+    problems += tensor_problems(config, world_size)
     replicas = config.parallel.dp_replicate
     if world_size % replicas:
         problems.append(("parallel.dp_replicate", f"{replicas} does not divide the world size {world_size}"))
-    cp = config.parallel.cp
-    groups = world_size // cp if world_size % cp == 0 else world_size
+    split = config.parallel.cp * config.parallel.tp
+    groups = world_size // split if world_size % split == 0 else world_size
     per_step = data.micro_batch_tokens * groups
     if data.batch_tokens % per_step:
-        what = "world size" if cp == 1 else "data-parallel ranks (world size / parallel.cp)"
+        what = "world size" if split == 1 else "data-parallel ranks (world size / (parallel.cp x parallel.tp))"
         problems.append(
             (
                 "data.batch_tokens",
@@ -104,6 +105,42 @@ def expert_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
         # of such a module different from the first one (a real run stops in its first backward).
         problems.append(("model.ac.mode", f"'selective' does not run with parallel.ep = {ep} equal to the world size "
                          "(each rank's experts unsharded); use 'full', or ep below the world size"))  # fmt: skip
+    return problems
+
+
+def tensor_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str]]:
+    """What stops `parallel.tp` > 1 from working with this config and world size: each split size must divide by
+    tp (the vocabulary, known once the tokenizer is read, is checked when the model is split)."""
+    tp, data, arch, parallel = config.parallel.tp, config.data, config.model.arch, config.parallel
+    if tp == 1:
+        return []
+    problems = []
+    grid = parallel.dp_replicate * parallel.cp * tp
+    if world_size % grid:
+        problems.append(("parallel.tp", f"{tp} x parallel.cp x parallel.dp_replicate = {grid} does not divide the "
+                         f"world size {world_size}"))  # fmt: skip
+    for field, value in (("num_attention_heads", arch.num_attention_heads), ("num_key_value_heads", arch.kv_heads),
+                         ("intermediate_size", arch.intermediate_size)):  # fmt: skip
+        if value % tp:
+            problems.append((f"model.arch.{field}", f"{value} does not divide by parallel.tp = {tp}"))
+    # Sequence parallelism splits each rank's share of a row (1 / 2cp chunks under context parallelism) over tp.
+    rows = tp * (2 * parallel.cp if parallel.cp > 1 else 1)
+    for field, value in (("seq_len", data.seq_len), ("micro_batch_tokens", data.micro_batch_tokens)):
+        if value % rows:
+            problems.append((f"data.{field}", f"{value} does not split into {rows} equal parts (parallel.tp = {tp}"
+                             + (f" x 2 x parallel.cp = {parallel.cp})" if parallel.cp > 1 else ")")))  # fmt: skip
+    if config.val.micro_batch_tokens is not None and config.val.micro_batch_tokens % rows:
+        problems.append(("val.micro_batch_tokens", f"{config.val.micro_batch_tokens} does not split into {rows} "
+                         f"equal parts (parallel.tp = {tp})"))  # fmt: skip
+    not_yet = (
+        ("model.arch.moe", arch.moe is not None, "mixture-of-experts blocks"),
+        ("model.arch.hyper_connections", bool(getattr(arch, "hyper_connections", 0)), "hyper-connections"),
+        ("model.fp8", config.model.fp8 != "none", "float8 training"),
+        ("parallel.ep", parallel.ep > 1, "expert parallelism"),
+    )
+    for field, present, what in not_yet:
+        if present:
+            problems.append((field, f"{what}: not supported with parallel.tp > 1 yet"))
     return problems
 
 

@@ -69,15 +69,24 @@ def pack_requests(requests: Sequence[Request], row_tokens: int) -> list[ScoringR
 
 @torch.no_grad()
 def score_requests(
-    model: nn.Module, rows: Sequence[ScoringRow], n_requests: int, device: torch.device, rank: int, world_size: int
+    model: nn.Module,
+    rows: Sequence[ScoringRow],
+    n_requests: int,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    counted: bool = True,
 ) -> np.ndarray:
-    """float64 [n_requests]: each request's summed log-likelihood, the same on every rank.
+    """float64 [n_requests]: each request's summed log-likelihood, the same on every rank. A rank whose rows
+    another rank counts (`counted` False: the other ranks of a TP group) adds nothing to the sums.
 
     The model gives each position's cross-entropy with the LM head and softmax in fp32, chunk by chunk
     (`CausalLM.forward(..., per_token=True)`); the whole model is called (not its parts) so that FSDP2 gathers the
     LM head as in training. Training mode is restored afterwards.
     """
     totals = request_loglik_sums(model, rows, n_requests, device, rank, world_size)
+    if not counted:
+        totals.zero_()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(totals)
     return totals[:n_requests].cpu().numpy()

@@ -183,11 +183,13 @@ class Validator:
     callback) or a snapshot loaded by the eval worker."""
 
     def __init__(self, cfg: ValConfig, data: DataConfig, tokenizer: TokenizerInfo | None, rank: int,
-                 world_size: int, shard: ContextShard | None = None) -> None:  # fmt: skip
+                 world_size: int, shard: ContextShard | None = None, counted: bool = True) -> None:  # fmt: skip
         """Read and chunk every set once; `data` gives the defaults and, for `val.data`, the sample rules. Rows
         are dealt over `world_size` data-parallel ranks; under context parallelism (`shard`), every rank of a CP
-        group scores the same rows, each its own chunks of them."""
+        group scores the same rows, each its own chunks of them. Under tensor parallelism every rank of a TP group
+        scores the same rows, and only the first counts them (`counted`)."""
         self.cfg = cfg
+        self.counted = counted
         self.rank, self.world_size = rank, world_size
         self.shard = shard if shard is not None else ContextShard(None, 0, 1)
         self.seq_lens = cfg.seq_lens or [data.seq_len]
@@ -328,12 +330,16 @@ class Validator:
         try:
             total = self.token_sums(model, device)
             logliks = {
-                key: score_requests(model, choice.rows, len(choice.requests), device, self.rank, self.world_size)
+                key: score_requests(
+                    model, choice.rows, len(choice.requests), device, self.rank, self.world_size, self.counted
+                )
                 for key, choice in self.choices.items()
             }
         finally:
             model.loss_chunk_tokens = chunk
             model.train(was_training)
+        if not self.counted:
+            total.zero_()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(total)
         out: dict[str, float] = {}

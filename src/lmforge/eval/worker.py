@@ -65,15 +65,18 @@ def run_worker(run: Path, config: TrainConfig, poll_seconds: float = 10.0, lates
     from lmforge.parallel.model_setup import build_run_model
     from lmforge.parallel.process_group import init_distributed, shutdown_distributed
 
-    # The run's context and expert parallelism when this worker's world size allows them; the numbers are the same
-    # without.
-    cp, ep = config.parallel.cp, config.parallel.ep
-    ctx = init_distributed(cp=cp if env_world_size() % cp == 0 else 1, ep=ep if env_world_size() % ep == 0 else 1)
+    # The run's context, expert and tensor parallelism when this worker's world size allows them; the numbers are
+    # the same without.
+    world = env_world_size()
+    cp, ep, tp = (degree if world % degree == 0 else 1 for degree in (config.parallel.cp, config.parallel.ep,
+                                                                      config.parallel.tp))  # fmt: skip
+    tp = tp if world % (cp * tp) == 0 else 1
+    ctx = init_distributed(cp=cp, ep=ep, tp=tp)
     console = Console()
     try:
         tokenizer = load_tokenizer(config.tokenizer.name) if config.tokenizer.name else None
         model = build_run_model(config, tokenizer, ctx)
-        validator = Validator(config.val, config.data, tokenizer, ctx.dp_rank, ctx.dp_size, ctx.cp)
+        validator = Validator(config.val, config.data, tokenizer, ctx.dp_rank, ctx.dp_size, ctx.cp, ctx.counts_tokens)
         monitor = None
         if ctx.is_main:
             monitor = Monitors([JsonlMonitor(run / "metrics.jsonl")])

@@ -13,11 +13,11 @@ share), whatever E, the world size or `parallel.ep`.
 from __future__ import annotations
 
 import hashlib
-import math
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 ROWS_PER_BLOCK = 64
 """Rows drawn from one generator: small enough that a shard boundary wastes little, large enough to be fast."""
@@ -57,22 +57,22 @@ def declared_init_rules(model: nn.Module) -> dict[str, str]:
     return rules
 
 
-def local_rows(param: Tensor) -> tuple[Tensor, int]:
-    """This rank's part of a parameter and the global index of its first row (FSDP2 shards rows like
-    `torch.chunk`); the whole tensor and 0 for a plain tensor."""
+def local_block(param: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+    """This rank's part of a parameter and the global index of its first element in every dimension: FSDP2 shards
+    rows like `torch.chunk`, tensor parallelism rows or columns, one inside the other; the whole tensor and zeros
+    for a plain tensor."""
     if not isinstance(param, DTensor):
-        return param.data, 0
-    local = param.to_local()
-    start = 0
-    for dim, placement in zip(range(param.device_mesh.ndim), param.placements, strict=True):
-        if isinstance(placement, Shard):
-            if placement.dim != 0:
-                raise ValueError(f"init supports parameters sharded along dim 0, got {placement}")
-            size = param.device_mesh.size(dim)
-            rank = param.device_mesh.get_local_rank(dim)
-            chunk = math.ceil(param.shape[0] / size)
-            start += min(rank * chunk, param.shape[0])
-    return local, start
+        return param.data, (0,) * param.ndim
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return param.to_local(), tuple(offset)
+
+
+def _columns(rows: Tensor, local: Tensor, offset: tuple[int, ...]) -> Tensor:
+    """Of full-width rows, the columns (and further dimensions) `local` holds from `offset` on."""
+    if tuple(rows.shape[1:]) == tuple(local.shape[1:]):
+        return rows
+    index = tuple(slice(o, o + n) for o, n in zip(offset[1:], local.shape[1:], strict=True))
+    return rows[(slice(None), *index)]
 
 
 def _draw(shape: tuple[int, ...], std: float, truncate: bool, gen: torch.Generator) -> Tensor:
@@ -134,7 +134,8 @@ def init_weights(
     rules = declared_init_rules(model)
     for name, param in model.named_parameters():
         role = init_role(name, param, rules)
-        local, start = local_rows(param)
+        local, corner = local_block(param)
+        start = corner[0] if corner else 0
         if role == "one":
             local.fill_(1.0)
         elif role == "zero":
@@ -142,7 +143,7 @@ def init_weights(
         elif role == "declared":
             prefix, _, leaf = name.rpartition(".")
             value = model.get_submodule(prefix).init_value(leaf)
-            local.copy_(value[start : start + local.shape[0]])
+            local.copy_(_columns(value[start : start + local.shape[0]], local, corner))
         else:
             scale = std_scales.get(name, 1.0) if std_scales is not None else 1.0
             owner = model.get_submodule(name.rpartition(".")[0])
@@ -152,5 +153,5 @@ def init_weights(
                                    truncate)  # fmt: skip
             else:
                 rows = normal_rows(name, tuple(param.shape), start, local.shape[0], std * scale, seed, truncate)
-            local.copy_(rows)
+            local.copy_(_columns(rows, local, corner))
     reset_buffers(model)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lmforge.config.arch import AnyArch
 from lmforge.model.attention import AttentionFn, DocumentMask, get_attention, prepare_mask
 from lmforge.model.hyper_connections import HyperConnection, collapse_stream, expand_stream, stream_rate
-from lmforge.model.loss import head_cross_entropy, head_token_losses
+from lmforge.model.loss import head_cross_entropy, head_token_losses, vocab_shard
 from lmforge.model.mlp import MLP
 from lmforge.model.moe import MoE
 from lmforge.model.norm import RMSNorm
@@ -230,7 +231,11 @@ class CausalLM(nn.Module):
         forward so that FSDP sees the LM head used where it manages its parameters."""
         hidden = self.model(input_ids, position_ids, doc_lens)
         if targets is None:
-            return self.lm_head(hidden)
+            logits = self.lm_head(hidden)
+            return logits.full_tensor() if isinstance(logits, DTensor) else logits
+        h, weight, shard = hidden[0], self.lm_head.weight, None
+        if isinstance(weight, DTensor):  # tensor parallelism: the head is split over the vocabulary
+            h, weight, shard = vocab_shard(h, weight)
         if per_token:
-            return head_token_losses(hidden[0], self.lm_head.weight, targets[0], self.loss_chunk_tokens or 1024)
-        return head_cross_entropy(hidden[0], self.lm_head.weight, targets[0], self.loss_chunk_tokens)
+            return head_token_losses(h, weight, targets[0], self.loss_chunk_tokens or 1024, shard)
+        return head_cross_entropy(h, weight, targets[0], self.loss_chunk_tokens, shard)

@@ -12,11 +12,14 @@ host.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 IGNORE_INDEX = -100
 """Target id of a position that is not a loss token."""
@@ -36,26 +39,53 @@ def resolve_loss_chunk(setting: int | Literal["auto"], device: torch.device) -> 
     return CPU_LOSS_CHUNK_TOKENS if device.type == "cpu" else 0
 
 
-def _chunk_loss(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The fp32 cross-entropy sum of one chunk, and what its gradient needs: the softmax (made in place in
-    `logits`, whose values are gone after the call), the targets made safe to gather (0 where ignored) and the
-    keep mask. In place, because on the CPU every new [chunk, vocab] buffer costs page faults."""
+@dataclass(frozen=True)
+class VocabShard:
+    """The LM head's share of the vocabulary on this rank under tensor parallelism (loss parallel)."""
+
+    group: dist.ProcessGroup
+    """The ranks that split the vocabulary between them."""
+    start: int
+    """The first token id of this rank's rows of the head."""
+
+
+def _chunk_loss(
+    logits: Tensor, targets: Tensor, shard: VocabShard | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The fp32 cross-entropy of each position of one chunk (0 where ignored), and what its gradient needs: the
+    softmax (made in place in `logits`, whose values are gone after the call), the targets made safe to gather (0
+    where ignored or, under a vocabulary `shard`, another rank's), where this rank holds the target's logit, and
+    the keep mask. In place, because on the CPU every new [chunk, vocab] buffer costs page faults.
+
+    With `shard`, `logits` are this rank's columns: the row maxima, then the exponential sums and target logits,
+    are all-reduced over the group (two collectives), so the loss is the whole vocabulary's on every rank."""
     keep = targets != IGNORE_INDEX
-    safe = torch.where(keep, targets, 0).unsqueeze(1)
+    local = targets if shard is None else targets - shard.start
+    mine = keep if shard is None else keep & (local >= 0) & (local < logits.shape[1])
+    safe = torch.where(mine, local, 0).unsqueeze(1)
     picked = logits.gather(1, safe).squeeze(1)
     top = logits.amax(dim=-1, keepdim=True)
+    if shard is not None:
+        picked = torch.where(mine, picked, 0.0)
+        dist.all_reduce(top, dist.ReduceOp.MAX, group=shard.group)
     total = logits.sub_(top).exp_().sum(dim=-1, keepdim=True)
+    if shard is not None:
+        both = torch.cat([total, picked.unsqueeze(1)], dim=1)
+        dist.all_reduce(both, group=shard.group)
+        total, picked = both[:, :1], both[:, 1]
     lse = (top + total.log()).squeeze(1)
-    loss = ((lse - picked) * keep).sum()
-    return loss, logits.div_(total), safe, keep
+    return (lse - picked) * keep, logits.div_(total), safe, mine, keep
 
 
 class _FusedHeadCrossEntropy(torch.autograd.Function):
     """sum over loss tokens of cross_entropy(hidden @ weight.T, targets), chunk by chunk, gradients taken in
-    forward."""
+    forward. Under a vocabulary shard, `weight` is this rank's rows of the head and the hidden states' gradient is
+    this rank's partial sum."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> Tensor:
+    def forward(
+        ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, shard: VocabShard | None = None
+    ) -> Tensor:
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         total = torch.zeros((), device=hidden.device, dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
@@ -63,10 +93,10 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start : start + chunk]
             logits = (h @ weight.T).float()
-            loss, grad, safe, keep = _chunk_loss(logits, targets[start : start + chunk])
-            total += loss
+            losses, grad, safe, mine, keep = _chunk_loss(logits, targets[start : start + chunk], shard)
+            total += losses.sum()
             # d(sum CE)/d(logits) = softmax - one_hot(target), zero on ignored rows; made in place in the logits.
-            grad.scatter_add_(1, safe, keep.unsqueeze(1).to(grad.dtype).neg())
+            grad.scatter_add_(1, safe, mine.unsqueeze(1).to(grad.dtype).neg())
             grad = grad.mul_(keep.unsqueeze(1)).to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[start : start + chunk] = grad @ weight
@@ -84,29 +114,53 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         gh = grad_hidden * grad_out.to(grad_hidden.dtype) if grad_hidden is not None else None
         gw = (grad_weight * grad_out).to(ctx.weight_dtype) if grad_weight is not None else None
-        return gh, gw, None, None
+        return gh, gw, None, None, None
 
 
-def head_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int = 0) -> Tensor:
+def head_cross_entropy(
+    hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int = 0, shard: VocabShard | None = None
+) -> Tensor:
     """fp32 sum of the cross-entropy of `hidden` [T, H] through the LM head `weight` [V, H] against `targets` [T]
-    (IGNORE_INDEX where no loss); in chunks of `chunk_tokens` tokens when > 0, else with the full logits."""
-    if chunk_tokens <= 0:
+    (IGNORE_INDEX where no loss); in chunks of `chunk_tokens` tokens when > 0, else with the full logits. Under a
+    vocabulary `shard`, `weight` holds this rank's rows and the logits are never gathered (one chunk of all T
+    tokens when `chunk_tokens` is 0)."""
+    if chunk_tokens <= 0 and shard is None:
         logits = F.linear(hidden, weight)
         return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    chunk = chunk_tokens if chunk_tokens > 0 else max(hidden.shape[0], 1)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _FusedHeadCrossEntropy.apply(hidden, weight, targets, chunk_tokens)
+        return _FusedHeadCrossEntropy.apply(hidden, weight, targets, chunk, shard)
     # Without gradients (scoring), the head runs in fp32, as validation's figures are defined.
-    return head_token_losses(hidden, weight, targets, chunk_tokens).sum()
+    return head_token_losses(hidden, weight, targets, chunk, shard).sum()
 
 
 @torch.no_grad()
-def head_token_losses(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int) -> Tensor:
+def head_token_losses(
+    hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int, shard: VocabShard | None = None
+) -> Tensor:
     """fp32 cross-entropy of every position [T] (0 where the target is IGNORE_INDEX): the LM head and the softmax
-    in fp32, `chunk_tokens` positions at a time, never holding the full logits. For scoring, without gradients."""
+    in fp32, `chunk_tokens` positions at a time, never holding the full logits. For scoring, without gradients.
+    Under a vocabulary `shard`, `weight` holds this rank's rows and every rank gets the whole vocabulary's losses."""
     out = torch.zeros(hidden.shape[0], device=hidden.device, dtype=torch.float32)
     w = weight.float()
     for start in range(0, hidden.shape[0], chunk_tokens):
         part = slice(start, start + chunk_tokens)
         logits = hidden[part].float() @ w.T
-        out[part] = F.cross_entropy(logits, targets[part], ignore_index=IGNORE_INDEX, reduction="none")
+        if shard is None:
+            out[part] = F.cross_entropy(logits, targets[part], ignore_index=IGNORE_INDEX, reduction="none")
+        else:
+            out[part] = _chunk_loss(logits, targets[part], shard)[0]
     return out
+
+
+def vocab_shard(hidden: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, VocabShard]:
+    """Under tensor parallelism, the LM head's inputs as local tensors: the hidden states [T, H] of the whole row on
+    every rank (gathered from the sequence-parallel tokens; their gradient, a partial sum on each rank, is reduced
+    and scattered back), this rank's rows of the head `weight` (a DTensor split over the vocabulary) and its
+    `VocabShard`."""
+    assert isinstance(weight, DTensor)
+    if isinstance(hidden, DTensor):
+        hidden = hidden.redistribute(placements=[Replicate()]).to_local(grad_placements=(Partial(),))
+    local = weight.to_local()
+    mesh = weight.device_mesh
+    return hidden, local, VocabShard(mesh.get_group(), mesh.get_local_rank() * local.shape[0])

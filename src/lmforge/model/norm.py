@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -67,4 +68,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Normalize over the last dimension."""
-        return RMSNormFunction.apply(x, self.weight, self.eps)  # type: ignore[no-any-return]
+        weight = self.weight
+        if isinstance(weight, DTensor) and not isinstance(x, DTensor):
+            # Tensor parallelism's per-head norms (QK-norm): a replicated scale applied to this rank's heads only,
+            # so its gradient here is a partial sum over the group.
+            weight = weight.to_local(grad_placements=(Partial(),))
+        return RMSNormFunction.apply(x, weight, self.eps)  # type: ignore[no-any-return]

@@ -21,10 +21,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 if dist.is_available():
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
 else:  # a torch built without distributed support can still use the local path
     DTensor = None  # type: ignore[assignment,misc]
-    Shard = None  # type: ignore[assignment,misc]
 
 __all__ = ["ADJUST_LR", "DEFAULT_NS_COEFFICIENTS", "Muon", "newton_schulz"]
 
@@ -121,7 +121,11 @@ def _shard_group(p: Tensor) -> dist.ProcessGroup | None:
     if mesh.size() == 1 or all(pl.is_replicate() for pl in p.placements):
         return None
     sharded = [d for d, pl in enumerate(p.placements) if not pl.is_replicate()]
-    if len(sharded) != 1 or p.placements[sharded[0]] != Shard(0):
+    if _tensor_split(p) is not None:
+        sharded = sharded[:-1]  # the rows each rank holds once its tensor-parallel part is gathered
+        if not sharded:
+            return None
+    if len(sharded) != 1 or not _rows_split(p.placements[sharded[0]]):
         raise NotImplementedError(
             f"Muon supports DTensors sharded Shard(0) along one mesh dimension and replicated along the others "
             f"(FSDP2 and HSDP), got placements {p.placements} on a {mesh.ndim}-D mesh for a parameter of shape "
@@ -134,6 +138,25 @@ def _shard_group(p: Tensor) -> dist.ProcessGroup | None:
     return mesh.get_group(sharded[0])
 
 
+def _rows_split(placement: Any) -> bool:
+    """Whether a placement splits a matrix by rows: `Shard(0)`, or FSDP2's strided `Shard(0)` outside a
+    tensor-parallel split of the same dimension."""
+    return placement.is_shard(0) or (isinstance(placement, _StridedShard) and placement.dim == 0)
+
+
+def _tensor_split(p: Tensor) -> tuple[dist.ProcessGroup, int] | None:
+    """For a matrix split over two mesh dimensions (FSDP's rows outside, tensor parallelism's rows or columns on
+    the mesh's last dimension), the TP group and the dimension it splits; None for any other layout."""
+    if DTensor is None or not isinstance(p, DTensor) or p.ndim != 2:
+        return None
+    mesh, placements = p.device_mesh, p.placements
+    last = placements[-1]
+    sharded = [pl for pl in placements if not pl.is_replicate()]
+    if len(sharded) < 2 or mesh.size(mesh.ndim - 1) == 1 or not (last.is_shard(0) or last.is_shard(1)):
+        return None
+    return mesh.get_group(mesh.ndim - 1), 0 if last.is_shard(0) else 1
+
+
 def _flat_cat(parts: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
     if not parts:
         return torch.empty(0, dtype=dtype, device=device)
@@ -142,11 +165,15 @@ def _flat_cat(parts: list[Tensor], dtype: torch.dtype, device: torch.device) -> 
 
 @dataclass
 class _Matrix:
-    """One parameter's work in a step: its update direction `u` (this rank's rows) before orthogonalization."""
+    """One parameter's work in a step: its update direction `u` (this rank's rows, each whole) before
+    orthogonalization, and how this rank's part of the parameter is taken from those rows of the result."""
 
     param: Tensor
     group: dict[str, Any]
     u: Tensor
+    take: Callable[[Tensor], Tensor] = lambda rows: rows
+    """From this rank's rows of the orthogonalized matrix, its part of the parameter (under tensor parallelism
+    the rows hold every TP rank's part; see `Muon._gather_tensor_parallel`)."""
 
     def orthogonalize(self, full_u: Tensor) -> Tensor:
         """Newton–Schulz with this parameter's group settings, on the whole matrix."""
@@ -194,6 +221,13 @@ class Muon(torch.optim.Optimizer):
     supported, replicated along any others (HSDP's replica groups: each group orthogonalizes its own copy over the
     ranks it is sharded across, and all groups, holding the same gradient, reach the same update); others raise.
 
+    Tensor-parallel matrices: a matrix also split by rows or columns along the last dimension of its mesh (the TP
+    group, inside FSDP's row split) first has its `u` gathered over the TP group, one `all_gather` for all such
+    matrices, so each rank holds whole rows of it (its TP group's share of FSDP's rows); from there it is stepped as
+    above over FSDP's ranks, and each rank keeps its own rows or columns of the result. The cost over the FSDP-only
+    step: that all-gather (the TP-split matrices' momentum once per TP rank), and the ranks of a TP group all do
+    the same orthogonalizations (each owner's Newton–Schulz runs tp times in the job).
+
     Sharded expert stacks: FSDP2 splits a stack along dim 0, so each rank's shard holds whole experts (after a
     `torch.chunk` split, possibly none). Each rank runs the batched Newton–Schulz on its local experts and its own
     part of the momentum buffer, with no collectives and whatever mesh the stack lives on (such as an expert-parallel
@@ -227,6 +261,7 @@ class Muon(torch.optim.Optimizer):
         self._tables: dict[dist.ProcessGroup, list[list[int]]] = {}
         """Each process group's row table (`_row_table`), kept between steps."""
 
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group as torch does, then check its hyperparameters and that every parameter is a 2-D matrix or a
         3-D stack of them."""
@@ -246,16 +281,25 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        sharded: dict[dist.ProcessGroup, list[tuple[Tensor, dict[str, Any]]]] = {}
+        sharded: dict[dist.ProcessGroup, list[tuple[Tensor, _Matrix | None]]] = {}
+        split: dict[dist.ProcessGroup, list[tuple[_Matrix, int]]] = {}
+        local: list[_Matrix] = []  # orthogonalized where they are (after any tensor-parallel gather)
         for group in self.param_groups:
             for p in group["params"]:
                 pg = _shard_group(p)
+                tp = _tensor_split(p)
+                work = _Matrix(p, group, self._momentum_direction(p, group)) if p.grad is not None else None
+                if work is not None and tp is not None:
+                    split.setdefault(tp[0], []).append((work, tp[1]))  # its whole rows are gathered below
                 if pg is not None:
                     # every sharded param is listed, grad or not, so that all ranks agree on the matrix order
-                    sharded.setdefault(pg, []).append((p, group))
-                elif p.grad is not None:
-                    work = _Matrix(p, group, self._momentum_direction(p, group))
-                    _apply_update(work, work.orthogonalize(work.u))
+                    sharded.setdefault(pg, []).append((p, work))
+                elif work is not None:
+                    local.append(work)
+        for tp_group, works in split.items():
+            _gather_tensor_parallel(tp_group, works)
+        for work in local:
+            _apply_update(work, work.take(work.orthogonalize(work.u)))
         for pg, params in sharded.items():
             self._step_sharded(pg, params)
         return loss
@@ -274,30 +318,30 @@ class Muon(torch.optim.Optimizer):
         buf.lerp_(grad, 1 - momentum)
         return grad.lerp(buf, momentum) if group["nesterov"] else buf
 
-    def _row_table(self, pg: dist.ProcessGroup, params: list[tuple[Tensor, dict[str, Any]]], world: int,
-                   device: torch.device) -> list[list[int]]:  # fmt: skip
-        """How many rows of each matrix every rank of `pg` holds, -1 where it has no gradient, so that all ranks
-        take the same decisions and size the exchanges alike. One small all_gather (and its host read) makes the
-        table; it is kept and used again while this rank's own column stays the same, which in a run is every step
-        after the first: the rows are fixed by the sharding, and FSDP2 gives a sharded parameter its gradient on
-        every rank of its mesh together."""
-        mine = [_local(p).shape[0] if p.grad is not None else -1 for p, _ in params]
+    def _row_table(self, pg: dist.ProcessGroup, mine: list[int], world: int, device: torch.device) -> list[list[int]]:
+        """How many rows of each matrix every rank of `pg` holds (`mine`: this rank's, -1 where it has no
+        gradient), so that all ranks take the same decisions and size the exchanges alike. One small all_gather
+        (and its host read) makes the table; it is kept and used again while this rank's own column stays the same,
+        which in a run is every step after the first: the rows are fixed by the sharding, and FSDP2 gives a sharded
+        parameter its gradient on every rank of its mesh together."""
         kept = self._tables.get(pg)
         if kept is not None and kept[dist.get_rank(pg)] == mine:
             return kept
-        table = [torch.empty(len(params), dtype=torch.int64, device=device) for _ in range(world)]
+        table = [torch.empty(len(mine), dtype=torch.int64, device=device) for _ in range(world)]
         dist.all_gather(table, torch.tensor(mine, dtype=torch.int64, device=device), group=pg)
         rows = [t.tolist() for t in table]
         self._tables[pg] = rows
         return rows
 
-    def _step_sharded(self, pg: dist.ProcessGroup, params: list[tuple[Tensor, dict[str, Any]]]) -> None:
-        """Step the matrices sharded over `pg`: each is orthogonalized whole by its owner and its rows sent back."""
+    def _step_sharded(self, pg: dist.ProcessGroup, params: list[tuple[Tensor, _Matrix | None]]) -> None:
+        """Step the matrices sharded over `pg` (each with its work, None without a gradient): each is orthogonalized
+        whole by its owner and its rows sent back."""
         world = dist.get_world_size(pg)
         rank = dist.get_rank(pg)
         device = _local(params[0][0]).device
 
-        rows_by_rank = self._row_table(pg, params, world, device)  # [rank][param]
+        mine_rows = [w.u.shape[0] if w is not None else -1 for _, w in params]
+        rows_by_rank = self._row_table(pg, mine_rows, world, device)  # [rank][param]
         keep = []
         for j, (p, _) in enumerate(params):
             held = [rows_by_rank[r][j] for r in range(world)]
@@ -310,9 +354,10 @@ class Muon(torch.optim.Optimizer):
             keep.append(j)
         if not keep:
             return
-        work = [_Matrix(params[j][0], params[j][1], self._momentum_direction(*params[j])) for j in keep]
+        work = [params[j][1] for j in keep]
+        assert all(w is not None for w in work)
         rows = [[rows_by_rank[r][j] for j in keep] for r in range(world)]  # [rank][matrix]
-        cols = [w.param.shape[1] for w in work]
+        cols = [w.u.shape[1] for w in work]
         dtype = work[0].u.dtype
         for w in work:
             dtype = torch.promote_types(dtype, w.u.dtype)
@@ -351,7 +396,32 @@ class Muon(torch.optim.Optimizer):
 
         for d, from_d in enumerate(received.split(send_splits)):
             for i, flat in zip(owned_by[d], from_d.split([rows[rank][i] * cols[i] for i in owned_by[d]]), strict=True):
-                _apply_update(work[i], flat.view(rows[rank][i], cols[i]))
+                _apply_update(work[i], work[i].take(flat.view(rows[rank][i], cols[i])))
+
+
+def _gather_tensor_parallel(group: dist.ProcessGroup, works: list[tuple[_Matrix, int]]) -> None:
+    """Replace each matrix's `u` (this rank's part of its rows: some of the rows, split along `dim` over the TP
+    `group`) by the whole rows its TP group holds, in one all-gather for all of them, and set `take` to cut this
+    rank's part back out of the result. Newton–Schulz commutes with permuting rows, so the order in which the
+    gathered rows stand does not matter, only that the owner puts them back the same way."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    mats = [w for w, _ in works]
+    dtype = mats[0].u.dtype
+    for w in mats:
+        dtype = torch.promote_types(dtype, w.u.dtype)
+    flat = _flat_cat([w.u for w in mats], dtype, mats[0].u.device)
+    gathered = flat.new_empty(size * flat.numel())
+    dist.all_gather_into_tensor(gathered, flat, group=group)
+    parts = gathered.view(size, -1).split([w.u.numel() for w in mats], dim=1)
+    for (w, dim), part in zip(works, parts, strict=True):
+        r, c = w.u.shape
+        whole = part.reshape(size, r, c)
+        if dim == 0:  # rows split: this rank's rows, then the others' below them
+            w.u = whole.reshape(size * r, c)
+            w.take = lambda o, r=r: o.narrow(0, rank * r, r)
+        else:  # columns split: the ranks' columns side by side
+            w.u = whole.permute(1, 0, 2).reshape(r, size * c)
+            w.take = lambda o, c=c: o.narrow(1, rank * c, c)
 
 
 def _apply_update(work: _Matrix, ortho_rows: Tensor) -> None:

@@ -18,6 +18,7 @@ from lmforge.model.llama import CausalLM
 from lmforge.parallel.context import apply_context_parallel, context_kernel
 from lmforge.parallel.experts import shard_experts
 from lmforge.parallel.process_group import DistContext
+from lmforge.parallel.tensor import apply_tensor_parallel
 
 
 def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -75,7 +76,8 @@ def parallelize(
     target: torch.device | None = None,
     shard: bool = True,
 ) -> CausalLM:
-    """Checkpoint, compile and shard (per block, then the root) a freshly built model, on the rank's device.
+    """Split over the TP group, checkpoint, compile and shard (per block, then the root) a freshly built model, on
+    the rank's device.
     A model built on the meta device gets storage for this rank's shards only, uninitialized. The kernel under
     context parallelism and the parameter dtype are those of `target` (default: the rank's device; see
     `lmforge.parallel.model_setup.build_run_model`).
@@ -89,6 +91,8 @@ def parallelize(
     needs CUDA streams).
     """
     target = target or ctx.device
+    if ctx.tp.size > 1:
+        apply_tensor_parallel(model, ctx.tp)  # first: context parallelism and FSDP wrap the split layers
     if ctx.cp.size > 1:
         apply_context_parallel(model, replace(ctx.cp, kernel=context_kernel(cfg.attn, target)))
     experts = shard_experts(model, ctx.ep) if ctx.ep.size > 1 else []

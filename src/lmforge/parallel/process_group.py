@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lmforge.parallel.context import ContextShard
 from lmforge.parallel.experts import NO_EXPERT_PARALLEL, ExpertShard
+from lmforge.parallel.tensor import NO_TENSOR_PARALLEL, TensorShard
 
 
 @dataclass
@@ -31,24 +32,33 @@ class DistContext:
     device: torch.device
     """The compute device of this rank."""
     mesh: DeviceMesh
-    """FSDP's mesh over all ranks: 1-D, sharding parameters over every rank (data-parallel and context-parallel
-    alike), or with `parallel.dp_replicate` > 1 2-D (replicate, shard): replica groups of consecutive ranks, each
-    sharding within itself (HSDP)."""
+    """FSDP's mesh over all ranks but the TP dimension: 1-D, sharding parameters over every rank (data-parallel and
+    context-parallel alike), or with `parallel.dp_replicate` > 1 2-D (replicate, shard): replica groups of
+    consecutive ranks, each sharding within itself (HSDP)."""
     cp: ContextShard = field(default_factory=lambda: ContextShard(None, 0, 1))
     """This rank's context-parallel group (size 1 without context parallelism)."""
     ep: ExpertShard = NO_EXPERT_PARALLEL
     """This rank's expert-parallel group (size 1 without expert parallelism): consecutive ranks split the routed
     experts between them."""
+    tp: TensorShard = NO_TENSOR_PARALLEL
+    """This rank's tensor-parallel group (size 1 without tensor parallelism): consecutive ranks split every matmul
+    between them."""
 
     @property
     def dp_rank(self) -> int:
-        """Data-parallel rank: which rows of a step this rank's CP group trains on."""
-        return self.rank // self.cp.size
+        """Data-parallel rank: which rows of a step this rank's CP and TP groups train on."""
+        return self.rank // (self.cp.size * self.tp.size)
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: world size / cp."""
-        return self.world_size // self.cp.size
+        """Data-parallel ranks: world size / (cp x tp)."""
+        return self.world_size // (self.cp.size * self.tp.size)
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether this rank's token and loss statistics count in the step's sums: the ranks of a TP group all see
+        the same tokens, so only the first of each counts them."""
+        return self.tp.rank == 0
 
     @property
     def is_main(self) -> bool:
@@ -56,12 +66,17 @@ class DistContext:
         return self.rank == 0
 
 
-def init_distributed(timeout_minutes: float = 30.0, cp: int = 1, ep: int = 1, dp_replicate: int = 1) -> DistContext:
-    """Start (or join) the process group from torchrun's environment, or as a group of one. With `cp` > 1,
-    consecutive ranks form the context-parallel groups of a 2-D (dp, cp) device mesh; with `ep` > 1, consecutive
-    ranks form the expert-parallel groups of a 2-D (expert FSDP, ep) mesh, across data- and context-parallel
-    ranks alike; with `dp_replicate` > 1, FSDP's mesh is 2-D (replicate, shard): that many groups of consecutive
-    ranks (HSDP)."""
+def init_distributed(
+    timeout_minutes: float = 30.0, cp: int = 1, ep: int = 1, dp_replicate: int = 1, tp: int = 1
+) -> DistContext:
+    """Start (or join) the process group from torchrun's environment, or as a group of one.
+
+    The ranks form one grid (replicate, shard, cp, tp), tp innermost: with `tp` > 1, consecutive ranks form the
+    tensor-parallel groups (put one on a node: its collectives run in every layer); with `cp` > 1, the next
+    dimension forms the context-parallel groups; with `dp_replicate` > 1, FSDP's mesh is 2-D (replicate, shard):
+    that many groups of consecutive data- and context-parallel ranks (HSDP). FSDP shards over every rank of the
+    grid but the TP dimension. With `ep` > 1, consecutive ranks form the expert-parallel groups of a 2-D (expert
+    FSDP, ep) mesh, across data- and context-parallel ranks alike."""
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
@@ -78,16 +93,17 @@ def init_distributed(timeout_minutes: float = 30.0, cp: int = 1, ep: int = 1, dp
         else:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     world = dist.get_world_size()
-    if world % cp:
-        raise ValueError(f"parallel.cp = {cp} does not divide the world size {world}")
-    if world % dp_replicate:
-        raise ValueError(f"parallel.dp_replicate = {dp_replicate} does not divide the world size {world}")
+    for name, degree in (("cp", cp), ("tp", tp), ("dp_replicate", dp_replicate)):
+        if world % degree:
+            raise ValueError(f"parallel.{name} = {degree} does not divide the world size {world}")
+    rank = dist.get_rank()
+    if tp > 1:
+        return _grid_context(rank, world, local_rank, device, cp, ep, dp_replicate, tp)
     if dp_replicate > 1:
         mesh = init_device_mesh(device.type, (dp_replicate, world // dp_replicate),
                                 mesh_dim_names=("replicate", "shard"))  # fmt: skip
     else:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
-    rank = dist.get_rank()
     shard = ContextShard(None, 0, 1)
     if cp > 1:
         grid = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
@@ -102,6 +118,29 @@ def init_distributed(timeout_minutes: float = 30.0, cp: int = 1, ep: int = 1, dp
         layout = DeviceMesh(device.type, grid.mesh.T.contiguous(), mesh_dim_names=("ep", "efsdp"))
         ctx.ep = ExpertShard(grid.get_group("ep"), rank % ep, ep, grid["efsdp"], layout)
     return ctx
+
+
+def _grid_context(
+    rank: int, world: int, local_rank: int, device: torch.device, cp: int, ep: int, dp_replicate: int, tp: int
+) -> DistContext:
+    """The context of a tensor-parallel run: one (replicate, shard, cp, tp) mesh whose sub-meshes FSDP and TP share
+    (FSDP2 composes with TP only on sub-meshes of one mesh)."""
+    if ep > 1:
+        raise ValueError("parallel.tp > 1 does not run with parallel.ep > 1 yet")
+    if world % (dp_replicate * cp * tp):
+        raise ValueError(f"parallel.dp_replicate x cp x tp = {dp_replicate * cp * tp} does not divide the world size "
+                         f"{world}")  # fmt: skip
+    shards = world // (dp_replicate * cp * tp)
+    grid = init_device_mesh(device.type, (dp_replicate, shards, cp, tp),
+                            mesh_dim_names=("replicate", "shard", "cp", "tp"))  # fmt: skip
+    if dp_replicate > 1:
+        grid["shard", "cp"]._flatten("shard_cp")
+        mesh = grid["replicate", "shard_cp"]
+    else:
+        mesh = grid["replicate", "shard", "cp"]._flatten("dp")
+    shard = ContextShard(grid.get_group("cp"), grid.get_local_rank("cp"), cp) if cp > 1 else ContextShard(None, 0, 1)
+    return DistContext(rank, world, local_rank, device, mesh, shard,
+                       tp=TensorShard(grid["tp"], grid.get_local_rank("tp"), tp))  # fmt: skip
 
 
 def shutdown_distributed() -> None:

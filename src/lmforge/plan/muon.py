@@ -9,16 +9,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch.distributed as dist
-from torch import Tensor
 from torch.optim import Optimizer
 
 from lmforge.optim.muon import Muon
 
 
-def _host_table(self: Muon, pg: dist.ProcessGroup, params: list[tuple[Tensor, dict[str, Any]]],
-                world: int, device: Any) -> list[list[int]]:  # fmt: skip
-    local = [(p.to_local() if hasattr(p, "to_local") else p) for p, _ in params]
-    mine = [t.shape[0] if p.grad is not None else -1 for t, (p, _) in zip(local, params, strict=True)]
+def _host_table(self: Muon, pg: dist.ProcessGroup, mine: list[int], world: int, device: Any) -> list[list[int]]:
     return [list(mine) for _ in range(world)]
 
 

@@ -208,7 +208,8 @@ def fake_world(config: TrainConfig, world_size: int) -> DistContext:
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    return init_distributed(cp=config.parallel.cp, ep=config.parallel.ep, dp_replicate=config.parallel.dp_replicate)
+    parallel = config.parallel
+    return init_distributed(cp=parallel.cp, ep=parallel.ep, dp_replicate=parallel.dp_replicate, tp=parallel.tp)
 
 
 def plan_step(

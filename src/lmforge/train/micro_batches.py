@@ -44,9 +44,12 @@ def token_loss_sum(model: nn.Module, mb: MicroBatch) -> Tensor:
     return model(mb.input_ids, mb.position_ids, mb.doc_lens, targets=targets)
 
 
-def global_loss_tokens(micro_batches: Sequence[MicroBatch]) -> Tensor:
-    """Loss tokens of the whole step over all ranks, as a device scalar (one all-reduce, no host read)."""
+def global_loss_tokens(micro_batches: Sequence[MicroBatch], counted: bool = True) -> Tensor:
+    """Loss tokens of the whole step over all ranks, as a device scalar (one all-reduce, no host read); a rank
+    whose tokens another rank counts (`counted` False: the other ranks of a TP group) adds none."""
     count = torch.stack([mb.loss_mask.sum() for mb in micro_batches]).sum().float()
+    if not counted:
+        count = torch.zeros_like(count)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(count)
     return count.clamp_min(1.0)
@@ -59,16 +62,22 @@ def _set_sync(model: nn.Module, sync: bool) -> None:
 
 
 def run_micro_batches(
-    model: nn.Module, micro_batches: Sequence[MicroBatch], device: torch.device, defer_grad_sync: bool = False
+    model: nn.Module,
+    micro_batches: Sequence[MicroBatch],
+    device: torch.device,
+    defer_grad_sync: bool = False,
+    counted: bool = True,
 ) -> MicroBatchStats:
     """Accumulate the gradient of the step's mean token loss over this rank's micro-batches.
 
     With `defer_grad_sync`, FSDP reduce-scatters only after the last micro-batch. A micro-batch whose loss is not
     finite is counted and excluded from the loss statistics; its gradient is removed by `rerun_without_nonfinite`.
+    With `counted` False (a TP rank other than its group's first, which sees the same tokens), the statistics
+    are zero, so that summed over ranks every token counts once.
     """
     n = len(micro_batches)
     on_device = [mb.to(device, non_blocking=True) for mb in micro_batches]  # token tensors are small; copies overlap
-    denom = global_loss_tokens(on_device)
+    denom = global_loss_tokens(on_device, counted)
     zero = torch.zeros((), device=device)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     loss_tokens, tokens, nan_count = zero.clone(), zero.clone(), zero.clone()
@@ -87,6 +96,9 @@ def run_micro_batches(
             nan_count += (~finite).float()
     if defer_grad_sync:
         _set_sync(model, True)
+    if not counted:
+        zeroed = (torch.zeros_like(t) for t in (loss_sum, loss_tokens, tokens, nan_count))
+        loss_sum, loss_tokens, tokens, nan_count = zeroed
     return MicroBatchStats(loss_sum, loss_tokens, tokens, nan_count, finite_flags)
 
 
@@ -96,6 +108,7 @@ def rerun_without_nonfinite(
     finite: Sequence[bool],
     device: torch.device,
     defer_grad_sync: bool = False,
+    counted: bool = True,
 ) -> None:
     """Recompute the step's gradient with every non-finite micro-batch replaced by one that adds nothing.
 
@@ -105,4 +118,4 @@ def rerun_without_nonfinite(
     """
     model.zero_grad(set_to_none=True)
     kept = [mb if ok else null_micro_batch(mb) for mb, ok in zip(micro_batches, finite, strict=True)]
-    run_micro_batches(model, kept, device, defer_grad_sync)
+    run_micro_batches(model, kept, device, defer_grad_sync, counted)

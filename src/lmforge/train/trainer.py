@@ -157,7 +157,8 @@ class Trainer:
             ", freed host memory kept for reuse (glibc mallopt)" if kept else "",
         )  # fmt: skip
         if config.val.sets or config.val.data:
-            validator = Validator(config.val, config.data, self.tokenizer, ctx.dp_rank, ctx.dp_size, ctx.cp)
+            validator = Validator(config.val, config.data, self.tokenizer, ctx.dp_rank, ctx.dp_size, ctx.cp,
+                                  ctx.counts_tokens)  # fmt: skip
             configured.append(Validation(validator))
         self.callbacks = in_order([*configured, *callbacks, Reporting(config)])
         saved = state.get("callbacks", {})
@@ -215,7 +216,8 @@ class Trainer:
         micro_batches = [shard_micro_batch(mb, self.ctx.cp) for mb in micro_batches]
         for cb in self.callbacks:
             cb.on_step_start(self, micro_batches)
-        stats = run_micro_batches(self.model, micro_batches, device, defer)
+        counted = self.ctx.counts_tokens
+        stats = run_micro_batches(self.model, micro_batches, device, defer, counted)
         sums, maxes = self._reduce(stats, micro_batches, data_wait, stop)
         if maxes["record_failed"] > 0:
             raise self.record.stopped(self.step)  # before the update: the run resumes from its last checkpoint
@@ -226,7 +228,7 @@ class Trainer:
             # them: the step then moves the routing biases as a step without the bad micro-batches would.
             for cb in self.callbacks:
                 cb.on_step_start(self, micro_batches)
-            rerun_without_nonfinite(self.model, micro_batches, stats.finite.tolist(), device, defer)
+            rerun_without_nonfinite(self.model, micro_batches, stats.finite.tolist(), device, defer, counted)
             redone = self._grad_squares()
             for cb in self.callbacks:
                 redone.update(cb.step_sums(self))
@@ -249,8 +251,10 @@ class Trainer:
         device = self.ctx.device
         wait = torch.tensor(data_wait, device=device)
         memory = torch.tensor(peak_memory_gib(device), device=device)
-        # Under context parallelism every rank of a group has the whole row's segments: each counts its share.
+        # Under context parallelism every rank of a group has the whole row's segments: each counts its share. The
+        # ranks of a TP group see the same rows: the first counts them.
         pairs = float(attended_pairs(mb.doc_lens for mb in micro_batches)) / self.ctx.cp.size
+        pairs = pairs if self.ctx.counts_tokens else 0.0
         sums: dict[str, torch.Tensor] = {
             "loss_sum": stats.loss_sum,
             "loss_tokens": stats.loss_tokens,

@@ -1,0 +1,119 @@
+"""Tensor parallelism: every block's matmuls split over the `tp` ranks of a group, with sequence parallelism for the
+norms and the residual stream, and the LM head split over the vocabulary (loss parallel).
+
+The layout, with DTensor's `parallelize_module`, for the [T, hidden] activations of one packed row:
+
+- the residual stream between blocks, and every RMSNorm on it, holds T / tp tokens per rank (`Shard(0)`, sequence
+  parallel);
+- attention gathers the normed tokens (all-gather), runs q/k/v column-wise (each rank computes heads / tp query
+  heads and kv_heads / tp KV heads, so grouped-query attention, QK-norm, RoPE, exclusive attention and the output
+  gate stay per head and local), and `o_proj` row-wise, whose partial sums are reduce-scattered back to T / tp
+  tokens;
+- the dense MLP likewise: gate and up column-wise, down row-wise;
+- the embedding is split over the vocabulary (row-wise: each rank looks up the ids in its range, the partial
+  embeddings are reduce-scattered over tokens); the LM head is split over the vocabulary too (column-wise), and
+  the loss runs on the vocabulary-sharded logits without gathering them (`lmforge.model.loss`).
+
+Gradients of the parameters every TP rank holds whole (norm scales) are partial sums on each rank; FSDP, which
+always wraps a tensor-parallel model, reduces them before its reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from lmforge.model.llama import CausalLM
+from lmforge.model.mlp import MLP
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    """This rank's tensor-parallel group: `size` consecutive ranks that split every matmul between them."""
+
+    mesh: DeviceMesh | None
+    """The group's 1-D mesh (named "tp"); None without tensor parallelism."""
+    rank: int
+    """This rank's index in its group."""
+    size: int
+    """Ranks in the group (`parallel.tp`)."""
+
+
+NO_TENSOR_PARALLEL = TensorShard(None, 0, 1)
+"""A run without tensor parallelism."""
+
+TOKENS = Shard(0)
+"""Sequence-parallel placement of [T, hidden] activations: each rank holds T / tp consecutive tokens."""
+
+
+def _block_plan(block: nn.Module) -> dict[str, object]:
+    """The TP plan of one decoder block, by submodule name."""
+    plan: dict[str, object] = {
+        "input_layernorm": SequenceParallel(sequence_dim=0),
+        # x, cos, sin, mask: the normed tokens are gathered; the rotary tables and the mask are the whole row's.
+        "self_attn": PrepareModuleInput(
+            input_layouts=(TOKENS, None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+        ),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=TOKENS, use_local_output=False),
+        "post_attention_layernorm": SequenceParallel(sequence_dim=0),
+    }
+    attn = block.self_attn
+    if getattr(attn, "gate", "none") != "none":
+        plan["self_attn.g_proj"] = ColwiseParallel()  # per-head gates: split like the query heads
+    if attn.qk_norm:
+        # Its scale sees this rank's heads only: a replicated parameter whose gradient is a partial sum.
+        plan["self_attn.q_norm"] = _LocalReplicated()
+        plan["self_attn.k_norm"] = _LocalReplicated()
+    if isinstance(block.mlp, MLP):
+        plan["mlp"] = PrepareModuleInput(input_layouts=(TOKENS,), desired_input_layouts=(Replicate(),))
+        plan["mlp.gate_proj"] = ColwiseParallel()
+        plan["mlp.up_proj"] = ColwiseParallel()
+        plan["mlp.down_proj"] = RowwiseParallel(output_layouts=TOKENS, use_local_output=False)
+    return plan
+
+
+class _LocalReplicated(ParallelStyle):
+    """A module replicated over the TP group that runs on local (per-head) activations: its parameters become
+    replicated DTensors that it uses as their local copies (`RMSNorm`), whose gradients are partial sums over the
+    group."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh)  # no partition function: every parameter replicated
+
+
+def apply_tensor_parallel(model: CausalLM, tp: TensorShard) -> None:
+    """Split `model` (fresh, on any device, before FSDP) over the TP group in place. Attention modules then count
+    the heads of this rank (`num_heads`, `num_kv_heads`)."""
+    mesh = tp.mesh
+    assert mesh is not None and tp.size > 1
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "model.embed_tokens": RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=TOKENS, use_local_output=False
+            ),
+            "model.norm": SequenceParallel(sequence_dim=0),
+            "lm_head": ColwiseParallel(use_local_output=False),
+        },
+    )
+    for block in model.blocks:
+        parallelize_module(block, mesh, _block_plan(block))  # type: ignore[arg-type]
+        attn = block.self_attn
+        attn.num_heads //= tp.size
+        attn.num_kv_heads //= tp.size
+    model.tie_weights()  # both halves of a tied pair are split over the vocabulary alike: one parameter again
