@@ -45,6 +45,12 @@ def test_cp_runs_train_like_one_process_and_resume_across_layouts(tmp_path: Path
 
 
 def test_validation_under_cp_equals_one_process(tmp_path: Path) -> None:
+    validation_matches_one_process(tmp_path, ("--parallel.cp", "2"))
+
+
+def validation_matches_one_process(tmp_path: Path, layout: tuple[str, ...]) -> None:
+    """Held-out token sets, every set-file convention and `lmforge eval` give on 2 processes in `layout` (one CP
+    or TP group) the numbers they give on one process."""
     tok = word_tokenizer(tmp_path / "tok")
     write_shard(tmp_path / "heldout", "00000", random_docs(40, seed=5))
     sets, rng = tmp_path / "sets", np.random.default_rng(0)
@@ -58,15 +64,15 @@ def test_validation_under_cp_equals_one_process(tmp_path: Path) -> None:
     val = ["--tokenizer.name", str(tok), "--val.seq-lens", "[16, 64]", "--val.data-dir", str(sets), "--val.sets",
            f'[{{name = "held", path = "{tmp_path / "heldout"}"}}, "words", "quiz", "minimal", '
            '{name = "words_h", convention = "lmeval"}]']  # fmt: skip
-    _train(cfg, tmp_path / "one", 1, 1, *val, "--val.save-arrays")
-    _train(cfg, tmp_path / "cp2", 2, 2, *val, "--val.save-arrays")
-    for name in ("quiz@64.npz", "words_h@16.npz"):  # written once per CP group, with the same scores
+    train_run(cfg, tmp_path / "one", *val, "--val.save-arrays")
+    train_run(cfg, tmp_path / "cp2", *layout, *val, "--val.save-arrays", nproc=2)
+    for name in ("quiz@64.npz", "words_h@16.npz"):  # written once per group, with the same scores
         one, two = (np.load(tmp_path / run / "val_arrays" / "step_2" / name) for run in ("one", "cp2"))
         np.testing.assert_allclose(two["loglik"], one["loglik"], rtol=0, atol=1e-5)
     (want,) = [r for r in read_metrics(tmp_path / "one" / "metrics.jsonl") if "time/val" in r]
     (got,) = [r for r in read_metrics(tmp_path / "cp2" / "metrics.jsonl") if "time/val" in r]
-    # lmforge eval scores the snapshots of a CP run under CP too (2 processes: one CP group)
-    _train(cfg, tmp_path / "snap", 2, 2, *val, "--eval-snapshots.interval", "2", "--no-val.eval-on-end")
+    # lmforge eval scores the snapshots of a run in its layout too (2 processes: one group)
+    train_run(cfg, tmp_path / "snap", *layout, *val, "--eval-snapshots.interval", "2", "--no-val.eval-on-end", nproc=2)
     worker = run_cli(["eval", str(tmp_path / "snap"), "--poll-seconds", "0.1"], nproc=2)
     assert worker.returncode == 0, worker.stderr[-3000:]
     (scored,) = [r for r in read_metrics(tmp_path / "snap" / "metrics.jsonl") if "time/val" in r]

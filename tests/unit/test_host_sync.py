@@ -360,12 +360,16 @@ def _two_rank_worker(rank: int, port: int, tmp: str) -> None:
         },
         # hybrid sharding: 2 replica groups of one rank (the gradient norm's replica scaling, Muon on the groups)
         "hsdp": {"parallel": {"dp_replicate": 2}},
+        # tensor parallelism: the vocabulary-sharded loss's all-reduces, Muon's TP gather, the counting rank
+        "tp2": {"parallel": {"tp": 2}},
+        "tp2-validation": {**_val_files(tmp_path / f"tpfiles{rank}"), "parallel": {"tp": 2}},
     }
     with pytest.MonkeyPatch.context() as monkeypatch:
         for name, overrides in cases.items():
             cp = overrides.get("parallel", {}).get("cp", 1)
             replicas = overrides.get("parallel", {}).get("dp_replicate", 1)
-            ctx = init_distributed(timeout_minutes=2, cp=cp, dp_replicate=replicas)
+            tp = overrides.get("parallel", {}).get("tp", 1)
+            ctx = init_distributed(timeout_minutes=2, cp=cp, dp_replicate=replicas, tp=tp)
             trainer = build(_config(tmp_path / name, **overrides), ctx, name)
             detector, names = run_checked(trainer, monkeypatch)
             found[name] = reads(detector) + (["no step"] * ("loss/mean" not in names))
@@ -378,7 +382,7 @@ def test_two_processes_with_fsdp_never_read_the_device(tmp_path: Path) -> None:
     results = run_ranks(_two_rank_worker, (free_port(), str(tmp_path)), tmp_path, timeout=240)
     for rank, found in enumerate(results):
         assert set(found) == {"dense", "dense-deferred", "moe-grouped-deferred", "moe-loop", "validation", "cp2",
-                              "moe-quantile-cp2", "hsdp", "moe-ep"}  # fmt: skip
+                              "moe-quantile-cp2", "hsdp", "tp2", "tp2-validation", "moe-ep"}  # fmt: skip
         assert found["moe-ep"] == [], f"rank {rank}: {found['moe-ep']}"
         checked = {case: reads for case, reads in found.items() if case != "moe-ep"}
         assert all(expected_reads(case, reads) for case, reads in checked.items()), f"rank {rank}: {found}"

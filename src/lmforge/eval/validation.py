@@ -287,9 +287,9 @@ class Validator:
 
     def arrays_dir(self, run_dir: Path, step: int) -> Path | None:
         """Where the first rank writes the per-choice (or, for ppl sets under the lmeval convention, per-text)
-        scores of step `step` (None: `val.save_arrays` off, no such set, or another rank: every rank of a CP group
-        holds the same scores, and only one may write them)."""
-        if not self.cfg.save_arrays or not self.choices or self.rank != 0 or self.shard.rank != 0:
+        scores of step `step` (None: `val.save_arrays` off, no such set, or another rank: every rank of a CP or TP
+        group holds the same scores, and only one may write them)."""
+        if not self.cfg.save_arrays or not self.choices or self.rank != 0 or self.shard.rank != 0 or not self.counted:
             return None
         return Path(run_dir) / "val_arrays" / f"step_{step}"
 

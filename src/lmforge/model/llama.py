@@ -15,12 +15,13 @@ from torch.distributed.tensor import DTensor
 from lmforge.config.arch import AnyArch
 from lmforge.model.attention import AttentionFn, DocumentMask, get_attention, prepare_mask
 from lmforge.model.hyper_connections import HyperConnection, collapse_stream, expand_stream, stream_rate
-from lmforge.model.loss import head_cross_entropy, head_token_losses, vocab_shard
+from lmforge.model.loss import head_cross_entropy, head_token_losses
 from lmforge.model.mlp import MLP
 from lmforge.model.moe import MoE
 from lmforge.model.norm import RMSNorm
 from lmforge.model.params import ParamCounts, active_fractions, count_params
 from lmforge.model.rotary import apply_rotary, rotary_cos_sin
+from lmforge.model.vocab_parallel import sharded_embedding, vocab_shard
 
 
 def exclusive(out: Tensor, v: Tensor) -> Tensor:
@@ -157,7 +158,9 @@ class DecoderModel(nn.Module):
         parallelism, this rank's T / cp tokens of a row whose segments `doc_lens` gives)."""
         if input_ids.shape[0] != 1:
             raise ValueError(f"a micro-batch is one packed row; got batch size {input_ids.shape[0]}")
-        x = self.embed_tokens(input_ids[0])
+        table = self.embed_tokens.weight
+        # Under tensor parallelism the table is split over the vocabulary and x holds this rank's tokens.
+        x = sharded_embedding(input_ids[0], table) if isinstance(table, DTensor) else self.embed_tokens(input_ids[0])
         mask = DocumentMask.from_doc_lens(doc_lens, x.device)
         if mask.total != x.shape[0] * self.row_split:
             raise ValueError(f"doc_lens add up to {mask.total}, which is not the {x.shape[0]} tokens of this row"

@@ -12,14 +12,14 @@ host.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from lmforge.model.vocab_parallel import VocabShard
 
 IGNORE_INDEX = -100
 """Target id of a position that is not a loss token."""
@@ -37,16 +37,6 @@ def resolve_loss_chunk(setting: int | Literal["auto"], device: torch.device) -> 
     if setting != "auto":
         return setting
     return CPU_LOSS_CHUNK_TOKENS if device.type == "cpu" else 0
-
-
-@dataclass(frozen=True)
-class VocabShard:
-    """The LM head's share of the vocabulary on this rank under tensor parallelism (loss parallel)."""
-
-    group: dist.ProcessGroup
-    """The ranks that split the vocabulary between them."""
-    start: int
-    """The first token id of this rank's rows of the head."""
 
 
 def _chunk_loss(
@@ -151,16 +141,3 @@ def head_token_losses(
         else:
             out[part] = _chunk_loss(logits, targets[part], shard)[0]
     return out
-
-
-def vocab_shard(hidden: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, VocabShard]:
-    """Under tensor parallelism, the LM head's inputs as local tensors: the hidden states [T, H] of the whole row on
-    every rank (gathered from the sequence-parallel tokens; their gradient, a partial sum on each rank, is reduced
-    and scattered back), this rank's rows of the head `weight` (a DTensor split over the vocabulary) and its
-    `VocabShard`."""
-    assert isinstance(weight, DTensor)
-    if isinstance(hidden, DTensor):
-        hidden = hidden.redistribute(placements=[Replicate()]).to_local(grad_placements=(Partial(),))
-    local = weight.to_local()
-    mesh = weight.device_mesh
-    return hidden, local, VocabShard(mesh.get_group(), mesh.get_local_rank() * local.shape[0])

@@ -10,9 +10,9 @@ The layout, with DTensor's `parallelize_module`, for the [T, hidden] activations
   gate stay per head and local), and `o_proj` row-wise, whose partial sums are reduce-scattered back to T / tp
   tokens;
 - the dense MLP likewise: gate and up column-wise, down row-wise;
-- the embedding is split over the vocabulary (row-wise: each rank looks up the ids in its range, the partial
-  embeddings are reduce-scattered over tokens); the LM head is split over the vocabulary too (column-wise), and
-  the loss runs on the vocabulary-sharded logits without gathering them (`lmforge.model.loss`).
+- the embedding is split over the vocabulary (each rank looks up the ids in its range, the partial embeddings are
+  reduce-scattered over tokens: `lmforge.model.vocab_parallel`); the LM head is split over the vocabulary too
+  (column-wise), and the loss runs on the vocabulary-sharded logits without gathering them (`lmforge.model.loss`).
 
 Gradients of the parameters every TP rank holds whole (norm scales) are partial sums on each rank; FSDP, which
 always wraps a tensor-parallel model, reduces them before its reduce-scatter.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_module
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -95,6 +95,18 @@ class _LocalReplicated(ParallelStyle):
         return distribute_module(module, device_mesh)  # no partition function: every parameter replicated
 
 
+class _VocabRows(ParallelStyle):
+    """An embedding table split by rows (the vocabulary) over the TP group, without input or output hooks: the
+    decoder calls `lmforge.model.vocab_parallel.sharded_embedding` on it."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def split(_name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for key, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+
+        return distribute_module(module, device_mesh, split)
+
+
 def apply_tensor_parallel(model: CausalLM, tp: TensorShard) -> None:
     """Split `model` (fresh, on any device, before FSDP) over the TP group in place. Attention modules then count
     the heads of this rank (`num_heads`, `num_kv_heads`)."""
@@ -104,9 +116,8 @@ def apply_tensor_parallel(model: CausalLM, tp: TensorShard) -> None:
         model,
         mesh,
         {
-            "model.embed_tokens": RowwiseParallel(
-                input_layouts=Replicate(), output_layouts=TOKENS, use_local_output=False
-            ),
+            # split over the vocabulary; `lmforge.model.vocab_parallel` looks ids up without a host read
+            "model.embed_tokens": _VocabRows(),
             "model.norm": SequenceParallel(sequence_dim=0),
             "lm_head": ColwiseParallel(use_local_output=False),
         },

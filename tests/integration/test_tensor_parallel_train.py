@@ -1,0 +1,77 @@
+"""Tensor parallelism (`parallel.tp`) trains like one process: per-step losses, gradient norms and loss-token
+counts of tp 2 (2 processes), tp 2 x dp 2, tp 2 x cp 2 and tp 2 inside HSDP's replica groups (4 processes) match one
+process within 1e-5, with Muon and with AdamW, on Llama and on Qwen3 (QK-norm); checkpoints resume across layouts
+((dp 2, tp 2) -> dp 4 -> (tp 2, dp_replicate 2) -> one process); the exported weights are the ones one process
+trains; validation, set files and `lmforge eval` give one process's numbers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmforge.hf.folder import load_pretrained
+from tests.conftest import arch_toml, tiny_qwen3
+from tests.integration.runner import TINY_ARCH, curve, train_run, write_config
+from tests.integration.test_context_parallel_train import validation_matches_one_process
+
+pytestmark = pytest.mark.slow
+
+TP = ("--parallel.tp", "2")
+KEYS = ("loss/mean", "optim/grad_norm", "loss/tokens")
+
+
+def _same_curves(one: Path, runs: dict[str, Path], steps: int) -> None:
+    for key in KEYS:
+        want = curve(one, key)
+        assert len(want) == steps, key
+        for name, run in runs.items():
+            assert curve(run, key) == pytest.approx(want, rel=1e-5, abs=1e-6), (name, key)
+
+
+def test_tp_trains_like_one_process_and_resumes_across_layouts(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, "base", max_steps=4)  # Muon for matrices (the default), AdamW for the rest
+    one = train_run(cfg, tmp_path / "one")
+    runs = {
+        "tp2": train_run(cfg, tmp_path / "tp2", *TP, nproc=2),
+        "tp2_dp2": train_run(cfg, tmp_path / "tp2_dp2", *TP, nproc=4),
+        "tp2_cp2": train_run(cfg, tmp_path / "tp2_cp2", *TP, "--parallel.cp", "2", nproc=4),
+        "tp2_hsdp": train_run(cfg, tmp_path / "tp2_hsdp", *TP, "--parallel.dp_replicate", "2", nproc=4),
+    }
+    _same_curves(one, runs, 4)
+    adamw = ("--optim.type", "adamw")
+    _same_curves(train_run(cfg, tmp_path / "one_adamw", *adamw),
+                 {"tp2": train_run(cfg, tmp_path / "tp2_adamw", *adamw, *TP, nproc=2)}, 4)  # fmt: skip
+
+    # (dp 2, tp 2) for steps 1-2, dp 4 for step 3, (tp 2 inside 2 replica groups) and one process for step 4
+    keep = ("--ckpt.interval", "1", "--ckpt.keep-last", "4")
+    train_run(cfg, tmp_path / "a", *keep, *TP, nproc=4)
+    train_run(cfg, tmp_path / "b", *keep, "--resume.step", "2", "--resume.path", str(tmp_path / "a"), nproc=4)
+    train_run(cfg, tmp_path / "c", *TP, "--parallel.dp_replicate", "2", "--resume.step", "3", "--resume.path",
+              str(tmp_path / "b"), nproc=4)  # fmt: skip
+    train_run(cfg, tmp_path / "d", "--resume.step", "3", "--resume.path", str(tmp_path / "b"))
+    want = curve(one, "loss/mean")
+    chained = [*curve(tmp_path / "a", "loss/mean")[:2], curve(tmp_path / "b", "loss/mean")[0]]
+    assert chained == pytest.approx(want[:3], rel=1e-5)
+    assert curve(tmp_path / "c", "loss/mean") == pytest.approx(want[3:], rel=1e-5)
+    assert curve(tmp_path / "d", "loss/mean") == pytest.approx(want[3:], rel=1e-5)
+
+    # the exported weights of a (dp 2, tp 2) run are one process's
+    reference, _ = load_pretrained(one)
+    got, _ = load_pretrained(runs["tp2_dp2"])
+    mine = dict(got.state_dict())
+    for name, tensor in reference.state_dict().items():
+        assert torch.allclose(mine[name], tensor, rtol=1e-4, atol=1e-6), name
+
+
+def test_tp_with_qk_norm_trains_like_one_process(tmp_path: Path) -> None:
+    # Qwen3: the per-head norm scales see each rank's heads only; their gradients are summed over the TP group
+    cfg = write_config(tmp_path, "qwen", max_steps=3)
+    cfg.write_text(cfg.read_text().replace(TINY_ARCH, arch_toml(tiny_qwen3(max_position_embeddings=256))))
+    one = train_run(cfg, tmp_path / "one")
+    _same_curves(one, {"tp2": train_run(cfg, tmp_path / "tp2", *TP, nproc=2)}, 3)
+
+
+def test_validation_under_tp_equals_one_process(tmp_path: Path) -> None:
+    validation_matches_one_process(tmp_path, TP)
