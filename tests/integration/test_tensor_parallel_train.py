@@ -1,6 +1,7 @@
 """Tensor parallelism (`parallel.tp`) trains like one process: per-step losses, gradient norms and loss-token
 counts of tp 2 (2 processes), tp 2 x dp 2, tp 2 x cp 2 and tp 2 inside HSDP's replica groups (4 processes) match one
-process within 1e-5, with Muon and with AdamW, on Llama and on Qwen3 (QK-norm); checkpoints resume across layouts
+process within 1e-5, with Muon and with AdamW, compiled with selective checkpointing, on Llama and on Qwen3
+(QK-norm), and parameter counts are one process's; checkpoints resume across layouts
 ((dp 2, tp 2) -> dp 4 -> (tp 2, dp_replicate 2) -> one process); the exported weights are the ones one process
 trains; validation, set files and `lmforge eval` give one process's numbers."""
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from lmforge.hf.folder import load_pretrained
+from lmforge.monitor import read_metrics
 from tests.conftest import arch_toml, tiny_qwen3
 from tests.integration.runner import TINY_ARCH, curve, train_run, write_config
 from tests.integration.test_context_parallel_train import validation_matches_one_process
@@ -38,8 +40,15 @@ def test_tp_trains_like_one_process_and_resumes_across_layouts(tmp_path: Path) -
         "tp2_dp2": train_run(cfg, tmp_path / "tp2_dp2", *TP, nproc=4),
         "tp2_cp2": train_run(cfg, tmp_path / "tp2_cp2", *TP, "--parallel.cp", "2", nproc=4),
         "tp2_hsdp": train_run(cfg, tmp_path / "tp2_hsdp", *TP, "--parallel.dp_replicate", "2", nproc=4),
+        "tp2_compiled_ac": train_run(
+            cfg, tmp_path / "tp2_compiled_ac", *TP, "--model.compile", "true", "--model.ac.mode", "selective", nproc=2
+        ),
     }
     _same_curves(one, runs, 4)
+    # parameter counts (and so MFU) count each parameter once, not once per shard
+    counts = [{k: v for r in read_metrics(run / "metrics.jsonl") for k, v in r.items() if k.startswith("params/")}
+              for run in (one, runs["tp2_dp2"])]  # fmt: skip
+    assert counts[0] and counts[0] == counts[1]
     adamw = ("--optim.type", "adamw")
     _same_curves(train_run(cfg, tmp_path / "one_adamw", *adamw),
                  {"tp2": train_run(cfg, tmp_path / "tp2_adamw", *adamw, *TP, nproc=2)}, 4)  # fmt: skip

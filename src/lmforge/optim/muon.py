@@ -145,14 +145,15 @@ def _rows_split(placement: Any) -> bool:
 
 
 def _tensor_split(p: Tensor) -> tuple[dist.ProcessGroup, int] | None:
-    """For a matrix split over two mesh dimensions (FSDP's rows outside, tensor parallelism's rows or columns on
-    the mesh's last dimension), the TP group and the dimension it splits; None for any other layout."""
+    """For a matrix split by tensor parallelism (its columns, or its rows inside FSDP's rows, on the mesh's last
+    dimension), the TP group and the dimension it splits; None for any other layout (a row split on its own is
+    FSDP's, `_shard_group`)."""
     if DTensor is None or not isinstance(p, DTensor) or p.ndim != 2:
         return None
     mesh, placements = p.device_mesh, p.placements
     last = placements[-1]
     sharded = [pl for pl in placements if not pl.is_replicate()]
-    if len(sharded) < 2 or mesh.size(mesh.ndim - 1) == 1 or not (last.is_shard(0) or last.is_shard(1)):
+    if mesh.size(mesh.ndim - 1) == 1 or not (last.is_shard(1) or (last.is_shard(0) and len(sharded) > 1)):
         return None
     return mesh.get_group(mesh.ndim - 1), 0 if last.is_shard(0) else 1
 

@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lmforge.config.loader import ConfigError
 from lmforge.model.llama import CausalLM
 from lmforge.model.mlp import MLP
 
@@ -112,6 +113,9 @@ def apply_tensor_parallel(model: CausalLM, tp: TensorShard) -> None:
     the heads of this rank (`num_heads`, `num_kv_heads`)."""
     mesh = tp.mesh
     assert mesh is not None and tp.size > 1
+    if model.vocab_size % tp.size:
+        raise ConfigError(f"parallel.tp = {tp.size} does not divide the model's vocabulary of {model.vocab_size} "
+                          "token ids (the embedding and LM head are split over it)")  # fmt: skip
     parallelize_module(
         model,
         mesh,
