@@ -98,6 +98,35 @@ def test_moe_with_expert_parallelism_and_muon(tmp_path: Path) -> None:
     assert plan["optimizer_flops"] > 0
 
 
+def test_tensor_parallelism_at_8_gpus(tmp_path: Path) -> None:
+    args = ("@", "examples/pretrain/llama-150m.toml", "--gpus", "8")
+    _, fsdp = _plan(tmp_path, *args)
+    result, tp = _plan(tmp_path, *args, "--parallel.tp", "2")
+    assert result.returncode == 0 and tp["fits"], result.stderr
+    assert tp["choices"]["layout"].startswith("dp 4 x tp 2") and fsdp["choices"]["layout"] == "dp 8"
+    # each GPU of a TP pair trains twice the rows of an FSDP rank, and holds half of each: the same share of tokens
+    # and of FLOPs, torch's formulas on the rank's own (split) operators included
+    assert tp["tokens_per_step"] == fsdp["tokens_per_step"]
+    assert tp["flops_6nd_per_step"] == pytest.approx(fsdp["flops_6nd_per_step"], rel=1e-9)
+    assert tp["flops_per_step"] == pytest.approx(fsdp["flops_per_step"], rel=0.01)  # other rows: other documents
+    assert tp["traced_flops"] == pytest.approx(fsdp["traced_flops"], rel=0.02)
+    # the optimizer state splits over the same 8 GPUs; the gathered (bf16) parameters are half as large in a TP pair
+    assert tp["memory_bytes"]["optimizer state"] == pytest.approx(fsdp["memory_bytes"]["optimizer state"], rel=0.02)
+    assert tp["memory_bytes"]["parameters"] < fsdp["memory_bytes"]["parameters"]
+    # the TP pair's collectives, on NVLink, are their own kinds and add to the step instead of hiding behind it
+    comms, gpu = tp["collectives"], gpu_spec("h100")
+    inline = [kind for kind in comms if kind.endswith("(tp)")]
+    assert {"all_gather (tp)", "reduce_scatter (tp)", "all_reduce (tp)"} <= set(inline)
+    ag = comms["all_gather (tp)"]
+    assert ag["seconds"] == pytest.approx(ag["sent_bytes"] / gpu.intra_node_bytes_s)
+    assert tp["tensor_parallel_comm_seconds"] == pytest.approx(sum(comms[k]["seconds"] for k in inline))
+    assert tp["step_seconds_estimate"] == pytest.approx(
+        max(tp["compute_seconds"], tp["comm_seconds"] - tp["tensor_parallel_comm_seconds"])
+        + tp["tensor_parallel_comm_seconds"]
+    )
+    assert "tensor-parallel (in line)" in result.stdout
+
+
 @pytest.mark.slow  # tens of seconds: the quick tier keeps the small plans
 def test_8b_at_64_gpus_with_context_parallelism(tmp_path: Path) -> None:
     result, plan = _plan(tmp_path, "@", "examples/pretrain/llama3-8b.toml", "--parallel.cp", "2",

@@ -36,6 +36,9 @@ _KINDS = {
 }
 """c10d operator -> the kind of collective it is."""
 
+IN_LINE = "(tp)"
+"""The suffix of a collective kind run on the tensor-parallel group, which no compute overlaps."""
+
 
 @dataclass
 class Traffic:
@@ -66,9 +69,12 @@ class Traffic:
 class Collectives(TorchDispatchMode):
     """Counts the collectives dispatched inside it, by kind, for `gpu`s with `gpus_per_node` GPUs a node."""
 
-    def __init__(self, gpu: GpuSpec, gpus_per_node: int) -> None:
+    def __init__(self, gpu: GpuSpec, gpus_per_node: int, in_line: frozenset[int] = frozenset()) -> None:
+        """`in_line`: the ranks of this rank's TP group, whose collectives are counted under kinds of their own
+        (`<kind> (tp)`): they sit between the operators that need their results, so nothing hides them."""
         super().__init__()
         self.gpu, self.gpus_per_node = gpu, gpus_per_node
+        self.in_line = in_line
         self.traffic: dict[str, Traffic] = defaultdict(Traffic)
         """Kind -> traffic."""
         self.unknown = 0
@@ -95,7 +101,7 @@ class Collectives(TorchDispatchMode):
         share = (n - 1) / n * (2.0 if kind == "all_reduce" else 1.0)
         one_node = len({r // self.gpus_per_node for r in ranks}) == 1
         bandwidth = self.gpu.intra_node_bytes_s if one_node else self.gpu.inter_node_bytes_s
-        entry = self.traffic[kind]
+        entry = self.traffic[f"{kind} {IN_LINE}" if self.in_line and set(ranks) == self.in_line else kind]
         entry.calls += 1
         entry.buffer_bytes += size
         entry.sent_bytes += share * size

@@ -52,12 +52,16 @@ def _with_replicas(config: TrainConfig, replicas: int) -> TrainConfig:
 
 def hybrid_sharding_hint(config: TrainConfig, report: PlanReport, plan: Callable[[TrainConfig], PlanReport]) -> str:
     """For a step of several nodes that plain FSDP leaves bound by its collectives, the plan of the same config
-    with one replica group per node (`parallel.dp_replicate`), in one line; empty otherwise."""
+    with one replica group per node (`parallel.dp_replicate`), in one line, when that plans a faster step; empty
+    otherwise. Tensor-parallel collectives, which stay inside a node either way, are left out of "bound"."""
     step, world, per_node = report.plan, report.world_size, report.gpus_per_node
     nodes = world // per_node
-    if config.parallel.dp_replicate > 1 or nodes < 2 or world % per_node or step.comm_seconds <= step.compute_seconds:
+    overlapped = step.comm_seconds - step.in_line_seconds
+    if config.parallel.dp_replicate > 1 or nodes < 2 or world % per_node or overlapped <= step.compute_seconds:
         return ""
     hybrid = plan(_with_replicas(config, nodes))
+    if hybrid.plan.step_seconds >= step.step_seconds:
+        return ""
     fits = "fits" if hybrid.fits else f"does not fit: {hybrid.shortfall_gib:.2f} GiB over"
     return (f"communication-bound ({step.comm_seconds:.2f} s of collectives against {step.compute_seconds:.2f} s of "
             f"compute): with --parallel.dp_replicate {nodes} (FSDP within each node) the step plans at "

@@ -72,6 +72,7 @@ class PlanReport:
             "flops_per_step": p.flops, "flops_6nd_per_step": p.dense_flops, "traced_flops": p.traced_flops,
             "optimizer_flops": p.optimizer_flops,
             "compute_seconds": p.compute_seconds, "comm_seconds": p.comm_seconds,
+            "tensor_parallel_comm_seconds": p.in_line_seconds,
             "step_seconds_estimate": p.step_seconds, "tokens_per_s_per_gpu_estimate": self.tokens_per_s,
             "mfu_estimate": self.mfu,
             "collectives": {k: vars(v) for k, v in sorted(p.comms.items())},
@@ -126,7 +127,10 @@ def _render_speed(report: PlanReport, console: Console) -> None:
         speed.add_row("optimizer update FLOPs (not in MFU)", f"{p.optimizer_flops:.4g}")
     speed.add_row("compute time (roofline)", f"{p.compute_seconds * 1e3:.1f} ms")
     speed.add_row("collective time (not overlapped)", f"{p.comm_seconds * 1e3:.1f} ms")
-    speed.add_row("step time (collectives overlapped)", f"{p.step_seconds * 1e3:.1f} ms")
+    if p.in_line_seconds:
+        speed.add_row("  of which tensor-parallel (in line)", f"{p.in_line_seconds * 1e3:.1f} ms")
+    overlap = "collectives overlapped" + (", tensor-parallel ones added" if p.in_line_seconds else "")
+    speed.add_row(f"step time ({overlap})", f"{p.step_seconds * 1e3:.1f} ms")
     speed.add_row("tokens/s per GPU", f"{report.tokens_per_s:,.0f}")
     speed.add_row("MFU", f"{report.mfu:.1%}")
     console.print(speed)

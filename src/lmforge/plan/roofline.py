@@ -18,8 +18,9 @@ from collections import Counter
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from lmforge.plan.gpus import GpuSpec
 
@@ -77,13 +78,17 @@ class Roofline(TorchDispatchMode):
         name = func._overloadpacket.__name__
         if func.namespace not in ("aten", "lmforge") or name in _FREE or _is_view(func):
             return out
+        result = out
+        if any(isinstance(t, DTensor) for t in tree_flatten((args, kwargs, out))[0]):
+            # Tensor parallelism: the GPU runs the operator on this rank's parts (its collectives count apart).
+            args, kwargs, out = tree_map_only(DTensor, lambda t: t._local_tensor, (args, kwargs, out))
         tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
         moved = float(sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values()))
         memory_s = moved / self.gpu.hbm_bytes_s
         flops = 0.0
         if name in ATTENTION_OPS:
             self._uncounted(name, moved)
-            return out
+            return result
         formula = self.formulas.get(func._overloadpacket)
         if name in GROUPED_MM_OPS:
             flops = 2.0 * args[0].numel() * args[1].shape[-1]
@@ -92,7 +97,7 @@ class Roofline(TorchDispatchMode):
                 flops = float(formula(*args, **kwargs, out_val=out))
             except Exception:
                 self._uncounted(name, moved)
-                return out
+                return result
         floats = {t.dtype for t in tensors if t.is_floating_point()}
         compute_s = flops / (self.gpu.peak_flops * _precision_factor(floats)) if flops else 0.0
         self.flops += flops
@@ -100,7 +105,7 @@ class Roofline(TorchDispatchMode):
         self.seconds += max(compute_s, memory_s)
         if compute_s > memory_s:
             self.compute_bound_seconds += compute_s
-        return out
+        return result
 
     def _uncounted(self, name: str, moved: float) -> None:
         """An operator whose FLOPs are counted elsewhere (or not at all): its memory time only."""

@@ -35,7 +35,7 @@ from lmforge.parallel.fsdp import fsdp_wraps, resolve_param_dtype
 from lmforge.parallel.model_setup import build_run_model
 from lmforge.parallel.process_group import DistContext, init_distributed
 from lmforge.plan.batches import plan_batches
-from lmforge.plan.collectives import Collectives, Traffic
+from lmforge.plan.collectives import IN_LINE, Collectives, Traffic
 from lmforge.plan.experts import balance_dispatches
 from lmforge.plan.gpus import GpuSpec
 from lmforge.plan.muon import host_row_tables
@@ -137,11 +137,15 @@ class StepPlan:
     """The CUDA choices the plan made (attention kernel, parameter dtype, loss, checkpointing, FP8, compile)."""
     notes: list[str] = field(default_factory=list)
     """What the plan counted by formula or could not give."""
+    in_line_seconds: float = 0.0
+    """Of those, the tensor-parallel collectives' time (kinds ending in `IN_LINE`): between operators, not
+    overlapped."""
 
     @property
     def step_seconds(self) -> float:
-        """Estimated step time: compute, with the collectives overlapped behind it (FSDP prefetches)."""
-        return max(self.compute_seconds, self.comm_seconds)
+        """Estimated step time: compute, with the collectives overlapped behind it (FSDP prefetches), plus the
+        tensor-parallel collectives, which wait for the operators before them and hold up the ones after."""
+        return max(self.compute_seconds, self.comm_seconds - self.in_line_seconds) + self.in_line_seconds
 
 
 def plan_tokenizer(config: TrainConfig, vocab_size: int | None) -> tuple[TokenizerInfo | None, str | None]:
@@ -212,6 +216,40 @@ def fake_world(config: TrainConfig, world_size: int) -> DistContext:
     return init_distributed(cp=parallel.cp, ep=parallel.ep, dp_replicate=parallel.dp_replicate, tp=parallel.tp)
 
 
+def describe_layout(ctx: DistContext, dp_replicate: int) -> str:
+    """The run's ranks as the mesh dimensions they form, outermost first, e.g. `dp 4 (HSDP 2 x 2) x cp 2 x tp 8`;
+    under TP each GPU's tokens are its share of its group's."""
+    dp = f"dp {ctx.dp_size}" + (f" (HSDP {dp_replicate} x {ctx.dp_size // dp_replicate})" if dp_replicate > 1 else "")
+    parts = [dp] + [f"{name} {size}" for name, size in (("cp", ctx.cp.size), ("tp", ctx.tp.size)) if size > 1]
+    if ctx.ep.size > 1:
+        parts.append(f"(ep {ctx.ep.size} across them)")
+    text = " x ".join(parts[:-1] if ctx.ep.size > 1 else parts) + (f" {parts[-1]}" if ctx.ep.size > 1 else "")
+    if ctx.tp.size > 1:
+        text += f"; tokens and FLOPs per GPU are 1/{ctx.tp.size} of its TP group's"
+    return text
+
+
+@contextlib.contextmanager
+def real_meshes() -> Iterator[None]:
+    """Within the block, device meshes are made on real tensors. FSDP2 joins the data- and tensor-parallel meshes
+    when it wraps a tensor-parallel model, and a new mesh finds this rank's coordinates with a data-dependent op
+    (`nonzero`) that fake tensors cannot run."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh._concatenate
+
+    def concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
+        with unset_fake_temporarily():
+            return original(meshes)
+
+    DeviceMesh._concatenate = staticmethod(concatenate)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = staticmethod(original)  # type: ignore[method-assign,assignment]
+
+
 def plan_step(
     config: TrainConfig,
     world_size: int,
@@ -235,6 +273,8 @@ def plan_step(
     if vocab_note:
         notes.append(vocab_note)
     ctx = fake_world(config, world_size)
+    # read outside fake tensors: a mesh's rank table is a tensor
+    tp_ranks = frozenset(ctx.tp.mesh.mesh.flatten().tolist()) if ctx.tp.mesh is not None else frozenset()
     try:
         batches = plan_batches(config, None if vocab_note else tokenizer, ctx.dp_size, doc_len)
         rows = batches.micro_batches
@@ -247,7 +287,7 @@ def plan_step(
             # A model FSDP does not wrap (float32 on one GPU) is given storage by `to_empty`, which cannot swap out
             # parameters made under fake tensors: build it on the meta device first, outside them.
             model = build_run_model(config, tokenizer, dataclasses.replace(ctx, device=torch.device("meta")), target)
-        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(), real_meshes():
             if unwrapped:
                 model.to_empty(device=CPU)
                 model.tie_weights()
@@ -262,7 +302,7 @@ def plan_step(
             # The first step creates the optimizer state; the second, measured, is what every later step costs.
             _step(model, optimizer, micro_batches[:1], defer)
             tracker = _tracker(model, optimizer.optimizers, notes)
-            roofline, comms = Roofline(gpu), Collectives(gpu, gpus_per_node)
+            roofline, comms = Roofline(gpu), Collectives(gpu, gpus_per_node, tp_ranks)
             marks: list[Tally] = []
             # The rank's first and last micro-batches stand for all: the middle ones repeat the first (same shapes,
             # and with `defer_grad_sync` the same missing reduction), and only the last reduce-scatters then.
@@ -287,8 +327,10 @@ def plan_step(
             step = phases[0] + phases[1] + update
         memory = _categories(next(iter(snapshot.values()), {})) if tracker is not None else {}
         counter = FlopCounter(model, arch.num_hidden_layers, arch.num_attention_heads, arch.dim_per_head)
-        tokens = sum(mb.tokens for mb in micro_batches)
-        pairs = attended_pairs(mb.doc_lens for mb in rows) / ctx.cp.size
+        # A TP group trains on the same rows: each GPU's share is 1 / tp of their tokens and of the model's FLOPs.
+        tp = ctx.tp.size
+        tokens = sum(mb.tokens for mb in micro_batches) // tp
+        pairs = attended_pairs(mb.doc_lens for mb in rows) / ctx.cp.size / tp
         flops, dense = counter.step_flops(tokens, pairs)
         compute = step.seconds
         formula = sorted(n for n in step.uncounted if n in ATTENTION_OPS)
@@ -309,12 +351,15 @@ def plan_step(
             + (f" (every {config.model.ac.freq} blocks)" if config.model.ac.mode != "none" else ""),
             "fp8": config.model.fp8,
             "compile": "on (planned eager)" if compiled else "off",
+            "layout": describe_layout(ctx, config.parallel.dp_replicate),
         }
         return StepPlan(
             memory=memory, peak_bytes=sum(memory.values()), tokens=tokens, flops=flops, dense_flops=dense,
             traced_flops=step.flops - update.flops, optimizer_flops=update.flops, compute_seconds=compute,
             comms=step.traffic,
-            comm_seconds=sum(t.seconds for t in step.traffic.values()), micro_batches=len(micro_batches),
+            comm_seconds=sum(t.seconds for t in step.traffic.values()),
+            in_line_seconds=sum(t.seconds for kind, t in step.traffic.items() if kind.endswith(IN_LINE)),
+            micro_batches=len(micro_batches),
             batches_source=batches.source,
             choices=choices, notes=notes,
         )  # fmt: skip
