@@ -40,9 +40,12 @@ processes (the kernel's `ru_maxrss` of the process tree: imports and compilers i
 Threads: `--threads` for one process, split between the ranks for two. A peer that cannot be installed or fails is
 reported as skipped or failed, with the reason, and the table is still printed.
 
-    .venv/bin/python benchmarks/peers.py [--peers torchtitan,litgpt] [--procs 1,2] [--steps N] [--warmup N]
+    .venv/bin/python benchmarks/peers.py [--peers torchtitan,litgpt] [--procs 1,2] [--tp N] [--steps N] [--warmup N]
                                          [--repeats N] [--threads N] [--quiet-wait S] [--work-dir DIR] [--json PATH]
                                          [--profile DIR]
+
+`--tp N` makes every multi-process run tensor-parallel over groups of N processes (lmforge's `parallel.tp`,
+torchtitan's `--parallelism.tensor_parallel_degree`); `benchmarks/tensor_parallel.py --peers` runs it at tp 2.
 
 `--merge A.json B.json ...` runs nothing and prints the table over all the runs that earlier invocations wrote with
 `--json` (the same settings), for a median over more runs than one invocation makes.
@@ -154,10 +157,17 @@ class Settings:
     """Longest a side may run, startup and compilation included."""
     allocator: str = "lmforge"
     """The allocator setting every side runs with (`common.ALLOCATORS`)."""
+    tp: int = 1
+    """Tensor-parallel degree of every run on more than one process (lmforge's `parallel.tp`, torchtitan's
+    `--parallelism.tensor_parallel_degree`); its ranks train on the same windows."""
+
+    def data_ranks(self, procs: int) -> int:
+        """Data-parallel ranks of a run on `procs` processes."""
+        return procs // self.tp if procs > 1 else 1
 
     def rows(self, procs: int) -> int:
-        """Windows per process and step."""
-        return self.batch_tokens // self.seq_len // procs
+        """Windows per data-parallel rank and step."""
+        return self.batch_tokens // self.seq_len // self.data_ranks(procs)
 
     def peer_spec(self, procs: int, out_dir: Path, start: Start) -> dict[str, Any]:
         """What `peer_shims.py` reads from `PEER_SPEC`."""
@@ -413,7 +423,7 @@ def lmforge_config(
                 "type": "fake",
                 "seq_len": s.seq_len,
                 "batch_tokens": s.batch_tokens,
-                "micro_batch_tokens": s.batch_tokens // procs,
+                "micro_batch_tokens": s.batch_tokens // s.data_ranks(procs),
                 "vocab_size": s.vocab_size,
                 "pattern": "uniform",
                 "document_masking": masked,
@@ -432,6 +442,7 @@ def lmforge_config(
             "schedule": {"warmup": 0.0, "decay": 0.0},
             "ckpt": {"final": False},
             "log": {"interval": 1},
+            "parallel": {"tp": s.tp if procs > 1 else 1},
         }
     )
 
@@ -537,16 +548,18 @@ def run_torchtitan(
     # With torch 2.13, torchtitan's default SPMD backend (spmd_types) rejects the FSDP mesh on more than one rank.
     cmd += ["--parallelism.spmd_backend", "full_dtensor"] if procs > 1 else []
     cmd += ["--compile.enable"] if compiled else []
+    cmd += ["--parallelism.tensor_parallel_degree", str(settings.tp)] if procs > 1 and settings.tp > 1 else []
     env = child_env(settings, procs, settings.peer_spec(procs, work / "out", start), profile)
 
     def parse(log: str) -> Logged:
-        # `tps` is tokens per second per data-parallel rank, over the step since the previous log line. On more
-        # than one rank (`full_dtensor`) the logged loss is the global mean times the ranks: the loss is a DTensor
-        # that already holds the global mean on every rank, and the logging sums its local values over the ranks.
+        # `tps` is tokens per second per device (a data-parallel rank's, over its TP degree), over the step since
+        # the previous log line. On more than one rank (`full_dtensor`) the logged loss is the global mean times the
+        # data-parallel ranks: the loss is a DTensor that already holds the global mean on every rank, and the
+        # logging sums its local values over them.
         steps = {int(m[1]): (float(m[3].replace(",", "")) * procs, float(m[2])) for m in TITAN_STEP.finditer(log)}
         params = TITAN_PARAMS.search(log)
         return ([steps[i][0] for i in sorted(steps)], int(params[1].replace(",", "")) if params else None,
-                steps[min(steps)][1] / procs)  # fmt: skip
+                steps[min(steps)][1] / settings.data_ranks(procs))  # fmt: skip
 
     return measure("torchtitan compiled" if compiled else "torchtitan", procs, cmd, env, work, settings, parse)
 
@@ -676,6 +689,7 @@ def _print_table(summary: dict[str, Any], allocator: str, console: Any) -> None:
         f"lmforge vs the alternatives: Llama d{s.hidden_size} x{s.num_layers}, {s.num_heads} heads "
         f"({s.num_kv_heads} KV), vocab {s.vocab_size}, seq {s.seq_len}, {s.batch_tokens} tokens/step, fp32, "
         f"{s.steps} timed steps after {s.warmup}; {common.ALLOCATOR_LABELS[allocator]}"
+        + (f"; the multi-process runs are tensor-parallel (tp {s.tp})" if s.tp > 1 else "")
     )
     columns = ["side", "processes", "tokens/s\n(median)", "range", "peak RSS MiB\n(largest process)",
                "lmforge / side\ntokens/s", "lmforge compiled\n/ side tokens/s", "lmforge / side\npeak memory",
@@ -714,6 +728,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = common.benchmark_parser(__doc__, presets, smoke, quiet_wait="before each run", all_cores=True)
     p.add_argument("--peers", default="torchtitan,litgpt", help="peers to run, comma-separated (default: both)")
     p.add_argument("--procs", default="1,2", help="process counts, comma-separated (default 1,2)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the multi-process runs (default 1)")
     p.add_argument(
         "--allocators", default=",".join(common.ALLOCATORS),
         help="allocator settings every side runs with in turn: lmforge (its malloc thresholds), default (glibc's)",
@@ -824,7 +839,7 @@ def profile_sides(plan: list[tuple[str, int, Job]], work_root: Path, out: Path, 
 def main(argv: list[str] | None = None) -> int:
     """Install the peers, run every side, print the table; 0 unless lmforge or the plain loop failed."""
     args = parse_args(argv)
-    settings = common.with_flags(SMOKE if args.smoke else Settings(), args)
+    settings = replace(common.with_flags(SMOKE if args.smoke else Settings(), args), tp=args.tp)
     if args.merge:
         settings = Settings(**json.loads(args.merge[0].read_text(encoding="utf-8"))["settings"])
         order, merged = merge_runs(args.merge)
@@ -844,7 +859,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not procs or min(procs) < 1 or settings.steps < 1 or settings.warmup < 0 or settings.repeats < 1:
         print(f"peers.py: unknown peers {sorted(unknown)} or bad --procs/--steps/--warmup/--repeats", file=sys.stderr)
         return 2
-    if any(settings.rows(n) < 1 or settings.rows(n) * n * settings.seq_len != settings.batch_tokens for n in procs):
+    if settings.tp < 1 or any(n > 1 and n % settings.tp for n in procs):
+        print(f"peers.py: --tp {settings.tp} must divide every process count above 1 ({procs})", file=sys.stderr)
+        return 2
+    if any(
+        settings.rows(n) < 1 or settings.rows(n) * settings.data_ranks(n) * settings.seq_len != settings.batch_tokens
+        for n in procs
+    ):
         print(f"peers.py: {settings.batch_tokens} tokens/step do not split into windows over {procs}", file=sys.stderr)
         return 2
     console = common.make_console()

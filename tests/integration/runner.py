@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lmforge.monitor import read_metrics
 from tests.conftest import arch_toml, tiny_llama
 
@@ -81,3 +83,13 @@ def curve(run_dir: Path, key: str) -> list[float]:
 def losses(run_dir: Path) -> list[float]:
     """Per-step loss/mean of a finished run."""
     return curve(run_dir, "loss/mean")
+
+
+def same_curves(one: Path, runs: dict[str, Path], keys: tuple[str, ...], steps: int) -> None:
+    """Every run in `runs` logged the metrics `keys` of the reference run `one` at each of its `steps` steps, within
+    1e-5 relative (1e-6 absolute)."""
+    for key in keys:
+        want = curve(one, key)
+        assert len(want) == steps, key
+        for name, run in runs.items():
+            assert curve(run, key) == pytest.approx(want, rel=1e-5, abs=1e-6), (name, key)

@@ -253,6 +253,20 @@ def check_expert_parallel(figures: Any, result: Result, tmp_path: Path) -> None:
         assert two["gather_bytes"] < one["gather_bytes"]
 
 
+def check_tensor_parallel(figures: Any, result: Result, tmp_path: Path) -> None:
+    rows = {r["tp"]: r for r in figures["rows"]}
+    assert set(rows) == {1, 2}
+    one, two = rows[1], rows[2]
+    # the split weights, their gradients and AdamW's state halve (norm scales, held whole, are a few hundred bytes)
+    for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+        assert two[key] == pytest.approx(one[key] / 2, rel=0.01), key
+    assert two["activation_bytes"] < 0.75 * one["activation_bytes"]
+    # one process has nobody to talk to; a TP pair gathers and scatters tokens in every block
+    assert all(one[f"{kind}_bytes"] == 0 for kind in ("all_gather", "reduce_scatter", "all_reduce"))
+    assert two["all_gather_bytes"] > 0 and two["reduce_scatter_bytes"] > 0 and two["all_reduce_bytes"] > 0
+    assert one["step_s"] > 0 and two["step_s"] > 0
+
+
 def check_moe_options(figures: Any, result: Result, tmp_path: Path) -> None:
     """`moe_options.py --smoke` trains the baseline, the headwise output gate and null experts on the demo data, and
     each option's parameters differ from the baseline's by what the option adds."""
@@ -307,6 +321,7 @@ BENCHMARKS = [
     pytest.param("mix.py", [], 120, check_mix, id="mix"),
     pytest.param("context_parallel.py", [], 180, check_context_parallel, id="context_parallel"),
     pytest.param("expert_parallel.py", [], 300, check_expert_parallel, id="expert_parallel"),
+    pytest.param("tensor_parallel.py", [], 180, check_tensor_parallel, id="tensor_parallel"),
     pytest.param("moe_options.py", ["--data-dir", "{tmp}/demo"], 240, check_moe_options, id="moe_options"),
 ]
 

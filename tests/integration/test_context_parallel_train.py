@@ -84,6 +84,11 @@ def validation_matches_one_process(tmp_path: Path, layout: tuple[str, ...]) -> N
 
 
 def test_an_sft_run_under_cp_equals_one_process(tmp_path: Path) -> None:
+    sft_matches_one_process(tmp_path, ("--parallel.cp", "2"))
+
+
+def sft_matches_one_process(tmp_path: Path, layout: tuple[str, ...]) -> None:
+    """An SFT run with held-out samples trains on 2 processes in `layout` (one CP or TP group) as on one."""
     tok = chat_tokenizer(tmp_path / "tok")
     rows = [{"messages": conversation(i, turns=1 + i % 3, system=i % 2 == 0)} for i in range(40)]
     write_jsonl(tmp_path / "chat" / "train.jsonl", rows[:32])
@@ -106,8 +111,8 @@ data = "{(tmp_path / "chat" / "val.jsonl").as_posix()}"
 [optim]
 lr = 3e-3
 """)
-    _train(cfg, tmp_path / "one", 1, 1)
-    _train(cfg, tmp_path / "cp2", 2, 2)
+    train_run(cfg, tmp_path / "one")
+    train_run(cfg, tmp_path / "cp2", *layout, nproc=2)
     for key in ("loss/mean", "optim/grad_norm", "loss/tokens", "val/loss"):
         want = curve(tmp_path / "one", key)
         assert want, key

@@ -11,20 +11,12 @@ import pytest
 import torch
 
 from lmforge.hf.folder import load_pretrained
-from tests.integration.runner import curve, train_run, write_config
+from tests.integration.runner import curve, same_curves, train_run, write_config
 from tests.integration.test_moe_train import RUN
 
 pytestmark = pytest.mark.slow
 
 HSDP = ("--parallel.dp_replicate", "2")
-
-
-def _same_curves(one: Path, runs: dict[str, Path], keys: tuple[str, ...], steps: int) -> None:
-    for key in keys:
-        want = curve(one, key)
-        assert len(want) == steps, key
-        for name, run in runs.items():
-            assert curve(run, key) == pytest.approx(want, rel=1e-5, abs=1e-6), (name, key)
 
 
 def test_hsdp_trains_like_one_process_and_resumes_across_layouts(tmp_path: Path) -> None:
@@ -35,10 +27,10 @@ def test_hsdp_trains_like_one_process_and_resumes_across_layouts(tmp_path: Path)
         # the two ranks of each replica group split every row between them
         "hsdp_cp2": train_run(cfg, tmp_path / "hsdp_cp2", *HSDP, "--parallel.cp", "2", nproc=4),
     }
-    _same_curves(one, runs, ("loss/mean", "optim/grad_norm", "loss/tokens"), 4)
+    same_curves(one, runs, ("loss/mean", "optim/grad_norm", "loss/tokens"), 4)
     flags = ("--optim.type", "adamw")
     one_adamw = train_run(cfg, tmp_path / "one_adamw", *flags)
-    _same_curves(one_adamw, {"hsdp": train_run(cfg, tmp_path / "hsdp_adamw", *flags, *HSDP, nproc=4)},
+    same_curves(one_adamw, {"hsdp": train_run(cfg, tmp_path / "hsdp_adamw", *flags, *HSDP, nproc=4)},
                  ("loss/mean", "optim/grad_norm"), 4)  # fmt: skip
 
     # dp 4 for steps 1-2, HSDP 2 x 2 for step 3, one process for step 4, each resuming the previous layout
@@ -63,7 +55,7 @@ def test_a_moe_under_hsdp_and_expert_parallelism_trains_like_one_process(tmp_pat
     cfg.write_text(RUN.format(out=tmp_path / "unused"))
     one = train_run(cfg, tmp_path / "one")
     hybrid = train_run(cfg, tmp_path / "hsdp_ep2", *HSDP, "--parallel.ep", "2", nproc=4)
-    _same_curves(one, {"hsdp_ep2": hybrid}, ("loss/mean", "optim/grad_norm", "moe/bias/abs_mean"), 8)
+    same_curves(one, {"hsdp_ep2": hybrid}, ("loss/mean", "optim/grad_norm", "moe/bias/abs_mean"), 8)
 
 
 def test_dp_replicate_must_divide_the_world_size(tmp_path: Path) -> None:

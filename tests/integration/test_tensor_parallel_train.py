@@ -3,7 +3,7 @@ counts of tp 2 (2 processes), tp 2 x dp 2, tp 2 x cp 2 and tp 2 inside HSDP's re
 process within 1e-5, with Muon and with AdamW, compiled with selective checkpointing, on Llama and on Qwen3
 (QK-norm), and parameter counts are one process's; checkpoints resume across layouts
 ((dp 2, tp 2) -> dp 4 -> (tp 2, dp_replicate 2) -> one process); the exported weights are the ones one process
-trains; validation, set files and `lmforge eval` give one process's numbers."""
+trains; validation, set files, `lmforge eval` and an SFT run give one process's numbers."""
 
 from __future__ import annotations
 
@@ -15,21 +15,13 @@ import torch
 from lmforge.hf.folder import load_pretrained
 from lmforge.monitor import read_metrics
 from tests.conftest import arch_toml, tiny_qwen3
-from tests.integration.runner import TINY_ARCH, curve, train_run, write_config
-from tests.integration.test_context_parallel_train import validation_matches_one_process
+from tests.integration.runner import TINY_ARCH, curve, same_curves, train_run, write_config
+from tests.integration.test_context_parallel_train import sft_matches_one_process, validation_matches_one_process
 
 pytestmark = pytest.mark.slow
 
 TP = ("--parallel.tp", "2")
 KEYS = ("loss/mean", "optim/grad_norm", "loss/tokens")
-
-
-def _same_curves(one: Path, runs: dict[str, Path], steps: int) -> None:
-    for key in KEYS:
-        want = curve(one, key)
-        assert len(want) == steps, key
-        for name, run in runs.items():
-            assert curve(run, key) == pytest.approx(want, rel=1e-5, abs=1e-6), (name, key)
 
 
 def test_tp_trains_like_one_process_and_resumes_across_layouts(tmp_path: Path) -> None:
@@ -44,14 +36,14 @@ def test_tp_trains_like_one_process_and_resumes_across_layouts(tmp_path: Path) -
             cfg, tmp_path / "tp2_compiled_ac", *TP, "--model.compile", "true", "--model.ac.mode", "selective", nproc=2
         ),
     }
-    _same_curves(one, runs, 4)
+    same_curves(one, runs, KEYS, 4)
     # parameter counts (and so MFU) count each parameter once, not once per shard
     counts = [{k: v for r in read_metrics(run / "metrics.jsonl") for k, v in r.items() if k.startswith("params/")}
               for run in (one, runs["tp2_dp2"])]  # fmt: skip
     assert counts[0] and counts[0] == counts[1]
     adamw = ("--optim.type", "adamw")
-    _same_curves(train_run(cfg, tmp_path / "one_adamw", *adamw),
-                 {"tp2": train_run(cfg, tmp_path / "tp2_adamw", *adamw, *TP, nproc=2)}, 4)  # fmt: skip
+    same_curves(train_run(cfg, tmp_path / "one_adamw", *adamw),
+                {"tp2": train_run(cfg, tmp_path / "tp2_adamw", *adamw, *TP, nproc=2)}, KEYS, 4)  # fmt: skip
 
     # (dp 2, tp 2) for steps 1-2, dp 4 for step 3, (tp 2 inside 2 replica groups) and one process for step 4
     keep = ("--ckpt.interval", "1", "--ckpt.keep-last", "4")
@@ -79,8 +71,12 @@ def test_tp_with_qk_norm_trains_like_one_process(tmp_path: Path) -> None:
     cfg = write_config(tmp_path, "qwen", max_steps=3)
     cfg.write_text(cfg.read_text().replace(TINY_ARCH, arch_toml(tiny_qwen3(max_position_embeddings=256))))
     one = train_run(cfg, tmp_path / "one")
-    _same_curves(one, {"tp2": train_run(cfg, tmp_path / "tp2", *TP, nproc=2)}, 3)
+    same_curves(one, {"tp2": train_run(cfg, tmp_path / "tp2", *TP, nproc=2)}, KEYS, 3)
 
 
 def test_validation_under_tp_equals_one_process(tmp_path: Path) -> None:
     validation_matches_one_process(tmp_path, TP)
+
+
+def test_an_sft_run_under_tp_equals_one_process(tmp_path: Path) -> None:
+    sft_matches_one_process(tmp_path, TP)
