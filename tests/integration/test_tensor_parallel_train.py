@@ -1,7 +1,8 @@
 """Tensor parallelism (`parallel.tp`) trains like one process: per-step losses, gradient norms and loss-token
 counts of tp 2 (2 processes), tp 2 x dp 2, tp 2 x cp 2 and tp 2 inside HSDP's replica groups (4 processes) match one
 process within 1e-5, with Muon and with AdamW, compiled with selective checkpointing, on Llama and on Qwen3
-(QK-norm), and parameter counts are one process's; checkpoints resume across layouts
+(QK-norm), and an MoE with bias balancing at tp 2 and tp 2 x ep 2 has one process's losses, gradient norms and
+routing biases; parameter counts are one process's; checkpoints resume across layouts
 ((dp 2, tp 2) -> dp 4 -> (tp 2, dp_replicate 2) -> one process); the exported weights are the ones one process
 trains; validation, set files, `lmforge eval` and an SFT run give one process's numbers."""
 
@@ -17,6 +18,7 @@ from lmforge.monitor import read_metrics
 from tests.conftest import arch_toml, tiny_qwen3
 from tests.integration.runner import TINY_ARCH, curve, same_curves, train_run, write_config
 from tests.integration.test_context_parallel_train import sft_matches_one_process, validation_matches_one_process
+from tests.integration.test_moe_train import RUN as MOE_RUN
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +66,17 @@ def test_tp_trains_like_one_process_and_resumes_across_layouts(tmp_path: Path) -
     mine = dict(got.state_dict())
     for name, tensor in reference.state_dict().items():
         assert torch.allclose(mine[name], tensor, rtol=1e-4, atol=1e-6), name
+
+
+def test_a_moe_under_tp_and_expert_parallelism_trains_like_one_process(tmp_path: Path) -> None:
+    # each TP rank routes its own tokens of the sequence-parallel stream; under ep 2 the routed experts are split
+    # over consecutive ranks (here the TP pair's), the router and shared experts stay whole on each
+    cfg = tmp_path / "moe.toml"
+    cfg.write_text(MOE_RUN.format(out=tmp_path / "unused"))
+    one = train_run(cfg, tmp_path / "one")
+    runs = {"tp2": train_run(cfg, tmp_path / "tp2", *TP, nproc=2),
+            "tp2_ep2": train_run(cfg, tmp_path / "tp2_ep2", *TP, "--parallel.ep", "2", nproc=4)}  # fmt: skip
+    same_curves(one, runs, (*KEYS, "moe/bias/abs_mean"), 8)
 
 
 def test_tp_with_qk_norm_trains_like_one_process(tmp_path: Path) -> None:

@@ -363,6 +363,8 @@ def _two_rank_worker(rank: int, port: int, tmp: str) -> None:
         # tensor parallelism: the vocabulary-sharded loss's all-reduces, Muon's TP gather, the counting rank
         "tp2": {"parallel": {"tp": 2}},
         "tp2-validation": {**_val_files(tmp_path / f"tpfiles{rank}"), "parallel": {"tp": 2}},
+        # an MoE under TP: each rank routes its own tokens through experts held whole
+        "moe-grouped-tp2": {"model": {"arch": tiny_glm().model_dump(), "defer_grad_sync": True}, "parallel": {"tp": 2}},
     }
     with pytest.MonkeyPatch.context() as monkeypatch:
         for name, overrides in cases.items():
@@ -382,7 +384,8 @@ def test_two_processes_with_fsdp_never_read_the_device(tmp_path: Path) -> None:
     results = run_ranks(_two_rank_worker, (free_port(), str(tmp_path)), tmp_path, timeout=240)
     for rank, found in enumerate(results):
         assert set(found) == {"dense", "dense-deferred", "moe-grouped-deferred", "moe-loop", "validation", "cp2",
-                              "moe-quantile-cp2", "hsdp", "tp2", "tp2-validation", "moe-ep"}  # fmt: skip
+                              "moe-quantile-cp2", "hsdp", "tp2", "tp2-validation", "moe-grouped-tp2",
+                              "moe-ep"}  # fmt: skip
         assert found["moe-ep"] == [], f"rank {rank}: {found['moe-ep']}"
         checked = {case: reads for case, reads in found.items() if case != "moe-ep"}
         assert all(expected_reads(case, reads) for case, reads in checked.items()), f"rank {rank}: {found}"

@@ -39,6 +39,8 @@ def test_each_bad_tp_names_its_field(tmp_path: Path) -> None:
     assert "val.micro_batch_tokens" in msg
     msg = _problems(tmp_path, 4, "--parallel.tp", "2", "--model.fp8", "tensorwise")
     assert "model.fp8" in msg and "not supported with parallel.tp > 1 yet" in msg
+    msg = _problems(tmp_path, 4, "--parallel.tp", "2", "--model.moe_balance.seq_aux_coeff", "0.001")
+    assert "model.moe_balance.seq_aux_coeff" in msg and "parallel.tp > 1" in msg
     load_train_config(["@", str(write_config(tmp_path, "good")), "--parallel.tp", "2"], 4)  # a good layout passes
 
 

@@ -132,11 +132,12 @@ def tensor_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
     if config.val.micro_batch_tokens is not None and config.val.micro_batch_tokens % rows:
         problems.append(("val.micro_batch_tokens", f"{config.val.micro_batch_tokens} does not split into {rows} "
                          f"equal parts (parallel.tp = {tp})"))  # fmt: skip
+    if config.model.moe_balance.seq_aux_coeff > 0:
+        problems.append(("model.moe_balance.seq_aux_coeff", "the sequence-wise balance loss does not run under "
+                         "parallel.tp > 1 yet (a segment's tokens are spread over the TP group)"))  # fmt: skip
     not_yet = (
-        ("model.arch.moe", arch.moe is not None, "mixture-of-experts blocks"),
         ("model.arch.hyper_connections", bool(getattr(arch, "hyper_connections", 0)), "hyper-connections"),
         ("model.fp8", config.model.fp8 != "none", "float8 training"),
-        ("parallel.ep", parallel.ep > 1, "expert parallelism"),
     )
     for field, present, what in not_yet:
         if present:

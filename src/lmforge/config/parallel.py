@@ -31,12 +31,12 @@ class ParallelConfig(Section):
     parallel.ep keep sharding over all the ranks holding the same experts; see docs/training.md."""
 
     tp: int = Field(default=1, ge=1)
-    """Tensor-parallel degree (dense Llama-family blocks): every attention and MLP matmul is split over this many
-    consecutive ranks (query and KV heads, the MLP's intermediate size, the vocabulary of the embedding and LM
-    head), and the tokens between them (norms, residual stream) are split over the same ranks (sequence
-    parallelism). The ranks of a group train on the same rows; keep a group inside one node (it communicates in
-    every layer). Data parallelism takes world size / (cp x tp) groups, and FSDP shards over them; see
-    docs/training.md."""
+    """Tensor-parallel degree: every attention and dense MLP matmul is split over this many consecutive ranks
+    (query and KV heads, the MLP's intermediate size, the vocabulary of the embedding and LM head), and the tokens
+    between them (norms, residual stream) are split over the same ranks (sequence parallelism); MoE blocks run on
+    each rank's own tokens. The ranks of a group train on the same rows; keep a group inside one node (it
+    communicates in every layer). Data parallelism takes world size / (cp x tp) groups, and FSDP shards over them;
+    see docs/training.md."""
 
     timeout_s: float = Field(default=300.0, gt=0)
     """Seconds a rank waits in one collective (an all-reduce, a checkpoint's agreement) for the others before it

@@ -92,7 +92,8 @@ def parallelize(
     """
     target = target or ctx.device
     if ctx.tp.size > 1:
-        apply_tensor_parallel(model, ctx.tp)  # first: context parallelism and FSDP wrap the split layers
+        # first: context and expert parallelism and FSDP wrap the split layers
+        apply_tensor_parallel(model, ctx.tp, expert_parallel=ctx.ep.size > 1)
     if ctx.cp.size > 1:
         apply_context_parallel(model, replace(ctx.cp, kernel=context_kernel(cfg.attn, target)))
     experts = shard_experts(model, ctx.ep) if ctx.ep.size > 1 else []

@@ -98,7 +98,10 @@ def init_distributed(
             raise ValueError(f"parallel.{name} = {degree} does not divide the world size {world}")
     rank = dist.get_rank()
     if tp > 1:
-        return _grid_context(rank, world, local_rank, device, cp, ep, dp_replicate, tp)
+        ctx = _grid_context(rank, world, local_rank, device, cp, dp_replicate, tp)
+        if ep > 1:
+            ctx.ep = _expert_shard(device, world, rank, ep)
+        return ctx
     if dp_replicate > 1:
         mesh = init_device_mesh(device.type, (dp_replicate, world // dp_replicate),
                                 mesh_dim_names=("replicate", "shard"))  # fmt: skip
@@ -110,23 +113,27 @@ def init_distributed(
         shard = ContextShard(grid.get_group("cp"), rank % cp, cp)
     ctx = DistContext(rank, world, local_rank, device, mesh, shard)
     if ep > 1:
-        if world % ep:
-            raise ValueError(f"parallel.ep = {ep} does not divide the world size {world}")
-        grid = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
-        # Whole stacks are cut first into ep blocks of experts, then each block over its FSDP ranks: the same grid
-        # with the ep dimension outermost.
-        layout = DeviceMesh(device.type, grid.mesh.T.contiguous(), mesh_dim_names=("ep", "efsdp"))
-        ctx.ep = ExpertShard(grid.get_group("ep"), rank % ep, ep, grid["efsdp"], layout)
+        ctx.ep = _expert_shard(device, world, rank, ep)
     return ctx
 
 
+def _expert_shard(device: torch.device, world: int, rank: int, ep: int) -> ExpertShard:
+    """This rank's expert-parallel group: consecutive ranks, on a mesh of their own (expert stacks shard over the
+    ranks holding the same experts, whatever the other dimensions)."""
+    if world % ep:
+        raise ValueError(f"parallel.ep = {ep} does not divide the world size {world}")
+    grid = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    # Whole stacks are cut first into ep blocks of experts, then each block over its FSDP ranks: the same grid with
+    # the ep dimension outermost.
+    layout = DeviceMesh(device.type, grid.mesh.T.contiguous(), mesh_dim_names=("ep", "efsdp"))
+    return ExpertShard(grid.get_group("ep"), rank % ep, ep, grid["efsdp"], layout)
+
+
 def _grid_context(
-    rank: int, world: int, local_rank: int, device: torch.device, cp: int, ep: int, dp_replicate: int, tp: int
+    rank: int, world: int, local_rank: int, device: torch.device, cp: int, dp_replicate: int, tp: int
 ) -> DistContext:
     """The context of a tensor-parallel run: one (replicate, shard, cp, tp) mesh whose sub-meshes FSDP and TP share
     (FSDP2 composes with TP only on sub-meshes of one mesh)."""
-    if ep > 1:
-        raise ValueError("parallel.tp > 1 does not run with parallel.ep > 1 yet")
     if world % (dp_replicate * cp * tp):
         raise ValueError(f"parallel.dp_replicate x cp x tp = {dp_replicate * cp * tp} does not divide the world size "
                          f"{world}")  # fmt: skip
