@@ -50,7 +50,7 @@ def test_validation_under_cp_equals_one_process(tmp_path: Path) -> None:
 
 def validation_matches_one_process(tmp_path: Path, layout: tuple[str, ...]) -> None:
     """Held-out token sets, every set-file convention and `lmforge eval` give on 2 processes in `layout` (one CP
-    or TP group) the numbers they give on one process."""
+    or TP group, or 2 HSDP replica groups) the numbers they give on one process."""
     tok = word_tokenizer(tmp_path / "tok")
     write_shard(tmp_path / "heldout", "00000", random_docs(40, seed=5))
     sets, rng = tmp_path / "sets", np.random.default_rng(0)

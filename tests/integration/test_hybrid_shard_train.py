@@ -12,6 +12,7 @@ import torch
 
 from lmforge.hf.folder import load_pretrained
 from tests.integration.runner import curve, same_curves, train_run, write_config
+from tests.integration.test_context_parallel_train import validation_matches_one_process
 from tests.integration.test_moe_train import RUN
 
 pytestmark = pytest.mark.slow
@@ -56,6 +57,11 @@ def test_a_moe_under_hsdp_and_expert_parallelism_trains_like_one_process(tmp_pat
     one = train_run(cfg, tmp_path / "one")
     hybrid = train_run(cfg, tmp_path / "hsdp_ep2", *HSDP, "--parallel.ep", "2", nproc=4)
     same_curves(one, {"hsdp_ep2": hybrid}, ("loss/mean", "optim/grad_norm", "moe/bias/abs_mean"), 8)
+
+
+def test_validation_under_hsdp_equals_one_process(tmp_path: Path) -> None:
+    # 2 replica groups of one rank each: every rank scores its own rows, as data-parallel ranks do
+    validation_matches_one_process(tmp_path, HSDP)
 
 
 def test_dp_replicate_must_divide_the_world_size(tmp_path: Path) -> None:
