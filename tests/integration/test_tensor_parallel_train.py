@@ -1,10 +1,10 @@
 """Tensor parallelism (`parallel.tp`) trains like one process: per-step losses, gradient norms and loss-token
 counts of tp 2 (2 processes), tp 2 x dp 2, tp 2 x cp 2 and tp 2 inside HSDP's replica groups (4 processes) match one
 process within 1e-5, with Muon and with AdamW, compiled with selective checkpointing, on Llama and on Qwen3
-(QK-norm), and an MoE with bias balancing at tp 2 and tp 2 x ep 2 has one process's losses, gradient norms and
-routing biases; parameter counts are one process's; checkpoints resume across layouts
-((dp 2, tp 2) -> dp 4 -> (tp 2, dp_replicate 2) -> one process); the exported weights are the ones one process
-trains; validation, set files, `lmforge eval` and an SFT run give one process's numbers."""
+(QK-norm), with CompleteP; an MoE with bias balancing at tp 2 and tp 2 x ep 2 has one process's losses, gradient
+norms and routing biases; parameter counts are one process's; checkpoints resume across layouts ((dp 2, tp 2) ->
+dp 4 -> (tp 2, dp_replicate 2) -> one process); the exported weights are the ones one process trains; validation,
+set files, `lmforge eval` and an SFT run give one process's numbers."""
 
 from __future__ import annotations
 
@@ -85,6 +85,15 @@ def test_tp_with_qk_norm_trains_like_one_process(tmp_path: Path) -> None:
     cfg.write_text(cfg.read_text().replace(TINY_ARCH, arch_toml(tiny_qwen3(max_position_embeddings=256))))
     one = train_run(cfg, tmp_path / "one")
     same_curves(one, {"tp2": train_run(cfg, tmp_path / "tp2", *TP, nproc=2)}, KEYS, 3)
+
+
+def test_tp_with_completep_trains_like_one_process(tmp_path: Path) -> None:
+    # CompleteP's per-role init and learning rates find every split parameter under its own name
+    cfg = write_config(tmp_path, "completep", max_steps=3)
+    flags = ("--model.init.scheme", "completep", "--model.arch.tie_word_embeddings", "false",
+             "--model.init.base_hidden_size", "32", "--model.init.base_num_layers", "1")  # fmt: skip
+    one = train_run(cfg, tmp_path / "one", *flags)
+    same_curves(one, {"tp2": train_run(cfg, tmp_path / "tp2", *flags, *TP, nproc=2)}, KEYS, 3)
 
 
 def test_validation_under_tp_equals_one_process(tmp_path: Path) -> None:
