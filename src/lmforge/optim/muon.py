@@ -174,7 +174,7 @@ class _Matrix:
     u: Tensor
     take: Callable[[Tensor], Tensor] = lambda rows: rows
     """From this rank's rows of the orthogonalized matrix, its part of the parameter (under tensor parallelism
-    the rows hold every TP rank's part; see `Muon._gather_tensor_parallel`)."""
+    the rows hold every TP rank's part; see `_gather_tensor_parallel`)."""
 
     def orthogonalize(self, full_u: Tensor) -> Tensor:
         """Newton–Schulz with this parameter's group settings, on the whole matrix."""
@@ -262,7 +262,6 @@ class Muon(torch.optim.Optimizer):
         self._tables: dict[dist.ProcessGroup, list[list[int]]] = {}
         """Each process group's row table (`_row_table`), kept between steps."""
 
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group as torch does, then check its hyperparameters and that every parameter is a 2-D matrix or a
         3-D stack of them."""
@@ -282,24 +281,28 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        sharded: dict[dist.ProcessGroup, list[tuple[Tensor, _Matrix | None]]] = {}
+        sharded: dict[dist.ProcessGroup, list[tuple[Tensor, dict[str, Any], _Matrix | None]]] = {}
         split: dict[dist.ProcessGroup, list[tuple[_Matrix, int]]] = {}
-        local: list[_Matrix] = []  # orthogonalized where they are (after any tensor-parallel gather)
+        gathered: list[_Matrix] = []  # orthogonalized where they are once their TP parts are gathered
         for group in self.param_groups:
             for p in group["params"]:
-                pg = _shard_group(p)
-                tp = _tensor_split(p)
-                work = _Matrix(p, group, self._momentum_direction(p, group)) if p.grad is not None else None
-                if work is not None and tp is not None:
-                    split.setdefault(tp[0], []).append((work, tp[1]))  # its whole rows are gathered below
+                pg, tp = _shard_group(p), _tensor_split(p)
+                work = None
+                if tp is not None and p.grad is not None:
+                    # its direction is needed before the TP gather below; the others' as they are stepped
+                    work = _Matrix(p, group, self._momentum_direction(p, group))
+                    split.setdefault(tp[0], []).append((work, tp[1]))
                 if pg is not None:
                     # every sharded param is listed, grad or not, so that all ranks agree on the matrix order
-                    sharded.setdefault(pg, []).append((p, work))
+                    sharded.setdefault(pg, []).append((p, group, work))
                 elif work is not None:
-                    local.append(work)
+                    gathered.append(work)
+                elif p.grad is not None:
+                    work = _Matrix(p, group, self._momentum_direction(p, group))
+                    _apply_update(work, work.orthogonalize(work.u))
         for tp_group, works in split.items():
             _gather_tensor_parallel(tp_group, works)
-        for work in local:
+        for work in gathered:
             _apply_update(work, work.take(work.orthogonalize(work.u)))
         for pg, params in sharded.items():
             self._step_sharded(pg, params)
@@ -334,17 +337,19 @@ class Muon(torch.optim.Optimizer):
         self._tables[pg] = rows
         return rows
 
-    def _step_sharded(self, pg: dist.ProcessGroup, params: list[tuple[Tensor, _Matrix | None]]) -> None:
-        """Step the matrices sharded over `pg` (each with its work, None without a gradient): each is orthogonalized
-        whole by its owner and its rows sent back."""
+    def _step_sharded(self, pg: dist.ProcessGroup, params: list[tuple[Tensor, dict[str, Any], _Matrix | None]]) -> None:
+        """Step the matrices sharded over `pg` (each with its group and, when its TP parts were gathered, its work):
+        each is orthogonalized whole by its owner and its rows sent back."""
         world = dist.get_world_size(pg)
         rank = dist.get_rank(pg)
         device = _local(params[0][0]).device
 
-        mine_rows = [w.u.shape[0] if w is not None else -1 for _, w in params]
+        mine_rows = [
+            w.u.shape[0] if w is not None else _local(p).shape[0] if p.grad is not None else -1 for p, _, w in params
+        ]
         rows_by_rank = self._row_table(pg, mine_rows, world, device)  # [rank][param]
         keep = []
-        for j, (p, _) in enumerate(params):
+        for j, (p, _, _) in enumerate(params):
             held = [rows_by_rank[r][j] for r in range(world)]
             if all(n < 0 for n in held):
                 continue
@@ -355,8 +360,8 @@ class Muon(torch.optim.Optimizer):
             keep.append(j)
         if not keep:
             return
-        work = [params[j][1] for j in keep]
-        assert all(w is not None for w in work)
+        work = [params[j][2] or _Matrix(params[j][0], params[j][1], self._momentum_direction(*params[j][:2]))
+                for j in keep]  # fmt: skip
         rows = [[rows_by_rank[r][j] for j in keep] for r in range(world)]  # [rank][matrix]
         cols = [w.u.shape[1] for w in work]
         dtype = work[0].u.dtype
