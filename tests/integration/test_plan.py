@@ -125,6 +125,12 @@ def test_tensor_parallelism_at_8_gpus(tmp_path: Path) -> None:
         + tp["tensor_parallel_comm_seconds"]
     )
     assert "tensor-parallel (in line)" in result.stdout
+    # tensorwise FP8 on CUDA: the TP pair all-gathers float8 tokens forward and float8 gradients backward, half
+    # the bytes of bf16 (torchao's float8 tensors report the bf16 dtype; the plan counts their payload)
+    result, fp8 = _plan(tmp_path, *args, "--parallel.tp", "2", "--model.fp8", "tensorwise")
+    assert result.returncode == 0, result.stderr
+    ratio = fp8["collectives"]["all_gather (tp)"]["sent_bytes"] / ag["sent_bytes"]
+    assert ratio == pytest.approx(0.52, abs=0.02)  # the LM head's and the embedding's stay bf16
 
 
 @pytest.mark.slow  # tens of seconds: the quick tier keeps the small plans

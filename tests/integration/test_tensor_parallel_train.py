@@ -2,7 +2,8 @@
 counts of tp 2 (2 processes), tp 2 x dp 2, tp 2 x cp 2 and tp 2 inside HSDP's replica groups (4 processes) match one
 process within 1e-5, with Muon and with AdamW, compiled with selective checkpointing, on Llama and on Qwen3
 (QK-norm), with CompleteP; an MoE with bias balancing at tp 2 and tp 2 x ep 2 has one process's losses, gradient
-norms and routing biases; parameter counts are one process's; checkpoints resume across layouts ((dp 2, tp 2) ->
+norms and routing biases, and so has one with hyper-connections and the sequence-wise balance loss at tp 2;
+emulated tensorwise FP8 at tp 2 keeps one process's first step and its FP8 parity after; parameter counts are one process's; checkpoints resume across layouts ((dp 2, tp 2) ->
 dp 4 -> (tp 2, dp_replicate 2) -> one process); the exported weights are the ones one process trains; validation,
 set files, `lmforge eval` and an SFT run give one process's numbers. The long mode (`LMFORGE_PARALLEL_LONG=1`) adds
 the HSDP composition, compilation, AdamW, CompleteP and SFT cases to what CI runs."""
@@ -21,6 +22,7 @@ from tests.conftest import arch_toml, tiny_qwen3
 from tests.integration.runner import TINY_ARCH, curve, same_curves, train_run, write_config
 from tests.integration.test_context_parallel_train import sft_matches_one_process, validation_matches_one_process
 from tests.integration.test_moe_train import RUN as MOE_RUN
+from tests.unit.test_fp8 import FP8_RTOL
 
 pytestmark = pytest.mark.slow
 
@@ -87,6 +89,28 @@ def test_a_moe_under_tp_and_expert_parallelism_trains_like_one_process(tmp_path:
     runs = {"tp2": train_run(cfg, tmp_path / "tp2", *TP, nproc=2),
             "tp2_ep2": train_run(cfg, tmp_path / "tp2_ep2", *TP, "--parallel.ep", "2", nproc=4)}  # fmt: skip
     same_curves(one, runs, (*KEYS, "moe/bias/abs_mean"), 8)
+
+
+def test_moe_options_and_fp8_under_tp_train_like_one_process(tmp_path: Path) -> None:
+    # hyper-connections hold each rank's tokens of the widened stream; the sequence-wise balance loss sums each
+    # segment's choices over the TP pair; the shared experts are split like a dense MLP
+    cfg = tmp_path / "moe.toml"
+    cfg.write_text(MOE_RUN.format(out=tmp_path / "unused").replace("max_steps = 8", "max_steps = 4"))
+    options = ("--model.arch.hyper_connections", "2", "--model.moe_balance.seq_aux_coeff", "0.01")
+    one = train_run(cfg, tmp_path / "one", *options)
+    tp2 = train_run(cfg, tmp_path / "tp2", *options, *TP, nproc=2)
+    same_curves(one, {"tp2": tp2}, (*KEYS, "moe/seq_aux_loss", "moe/bias/abs_mean"), 4)
+    # Emulated tensorwise float8: every scale is the whole tensor's, as in one process, so the first step agrees to
+    # fp32 precision (a weight scaled per TP part moved it by 2e-5). Later steps start from weights that differ in
+    # the order of fp32 sums, which can flip a float8 rounding: they agree to the FP8 parity tolerance.
+    fp8 = ("--model.fp8", "tensorwise", "--model.fp8_emulate", "true")
+    want = curve(train_run(cfg, tmp_path / "one_fp8", *fp8), "loss/mean")
+    run = train_run(cfg, tmp_path / "tp2_fp8", *fp8, *TP, nproc=2)
+    got = curve(run, "loss/mean")
+    assert got[0] == pytest.approx(want[0], rel=2e-6)
+    assert got == pytest.approx(want, rel=FP8_RTOL)
+    log = (run / "logs" / "rank_0.log").read_text()
+    assert "fp8 tensorwise on" in log and "float8 all-gather" not in log  # FSDP gathers TP-split weights unscaled
 
 
 def test_tp_with_qk_norm_trains_like_one_process(tmp_path: Path) -> None:

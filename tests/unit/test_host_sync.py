@@ -363,8 +363,16 @@ def _two_rank_worker(rank: int, port: int, tmp: str) -> None:
         # tensor parallelism: the vocabulary-sharded loss's all-reduces, Muon's TP gather, the counting rank
         "tp2": {"parallel": {"tp": 2}},
         "tp2-validation": {**_val_files(tmp_path / f"tpfiles{rank}"), "parallel": {"tp": 2}},
-        # an MoE under TP: each rank routes its own tokens through experts held whole
-        "moe-grouped-tp2": {"model": {"arch": tiny_glm().model_dump(), "defer_grad_sync": True}, "parallel": {"tp": 2}},
+        # an MoE under TP: each rank routes its own tokens through experts held whole, with hyper-connections on
+        # each rank's tokens of the stream and the sequence-wise loss's choices summed over the TP group
+        "moe-grouped-tp2": {
+            "model": {
+                "arch": tiny_glm(hyper_connections=2).model_dump(),
+                "defer_grad_sync": True,
+                "moe_balance": {"seq_aux_coeff": 0.01},
+            },
+            "parallel": {"tp": 2},
+        },
     }
     with pytest.MonkeyPatch.context() as monkeypatch:
         for name, overrides in cases.items():

@@ -132,16 +132,16 @@ def tensor_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
     if config.val.micro_batch_tokens is not None and config.val.micro_batch_tokens % rows:
         problems.append(("val.micro_batch_tokens", f"{config.val.micro_batch_tokens} does not split into {rows} "
                          f"equal parts (parallel.tp = {tp})"))  # fmt: skip
-    if config.model.moe_balance.seq_aux_coeff > 0:
-        problems.append(("model.moe_balance.seq_aux_coeff", "the sequence-wise balance loss does not run under "
-                         "parallel.tp > 1 yet (a segment's tokens are spread over the TP group)"))  # fmt: skip
-    not_yet = (
-        ("model.arch.hyper_connections", bool(getattr(arch, "hyper_connections", 0)), "hyper-connections"),
-        ("model.fp8", config.model.fp8 != "none", "float8 training"),
-    )
-    for field, present, what in not_yet:
-        if present:
-            problems.append((field, f"{what}: not supported with parallel.tp > 1 yet"))
+    spec = arch.moe
+    if spec is not None and spec.num_shared_experts and (spec.num_shared_experts * spec.intermediate_size) % tp:
+        # the shared experts are split like a dense MLP, over their whole width
+        problems.append(("model.arch.moe_intermediate_size", f"the shared experts' width {spec.num_shared_experts} x "
+                         f"{spec.intermediate_size} does not divide by parallel.tp = {tp}"))  # fmt: skip
+    if spec is not None and spec.latent_size and config.model.fp8 != "none":
+        # Its projections run on each rank's own tokens, so a float8 scale would cover those tokens only.
+        problems.append(("model.fp8", f"{config.model.fp8!r} with a latent MoE (model.arch.moe_latent_size) does "
+                         "not run under parallel.tp > 1: the latent projections' float8 scales would differ from "
+                         "one process's"))  # fmt: skip
     return problems
 
 

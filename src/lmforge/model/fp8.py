@@ -104,6 +104,31 @@ def apply_fp8(blocks: list[nn.Module], recipe: str, emulate: bool, fsdp_all_gath
     return converted
 
 
+def _rowwise(config: Any) -> bool:
+    """Whether a Float8LinearConfig scales per row (axiswise) rather than per tensor."""
+    return "AXISWISE" in str(config.cast_config_input.scaling_granularity)
+
+
+def casts_tensorwise(module: nn.Module) -> bool:
+    """Whether `module` is a float8 linear layer under the tensorwise recipe: under tensor parallelism its input is
+    cast to float8 before the all-gather and its layer split by torchao's float8 styles (`float8_tp_styles`)."""
+    return type(module).__name__ == "Float8Linear" and not _rowwise(module.config)
+
+
+def float8_tp_styles() -> tuple[type, type, type]:
+    """torchao's tensor-parallel styles for tensorwise float8 layers: column-wise, row-wise, and the input
+    preparation that casts a module's input to float8 once, before its all-gather (half the bytes of bf16), for
+    every float8 layer that reads it."""
+    _torchao_float8()  # the quiet import, with its errors
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+
 def fp8_layers(model: nn.Module) -> list[nn.Module]:
     """The model's float8 linear layers (none without `model.fp8`)."""
     return [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
@@ -115,7 +140,7 @@ def describe_fp8(model: nn.Module) -> str:
     if not layers:
         return ""
     config = layers[0].config
-    kind = "rowwise" if "AXISWISE" in str(config.cast_config_input.scaling_granularity) else "tensorwise"
+    kind = "rowwise" if _rowwise(config) else "tensorwise"
     extra = ", emulated" if config.emulate else ""
     extra += ", float8 all-gather" if config.enable_fsdp_float8_all_gather else ""
     return f"fp8 {kind} on {len(layers)} linear layers{extra}"

@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from lmforge.config.arch import MoESpec
 from lmforge.model.attention import DocumentMask
@@ -271,18 +273,42 @@ class Experts(nn.Module):
         return torch.cat(outs)
 
 
-def seq_balance_loss(routing: Routing, doc_ids: Tensor, cu_seqlens: Tensor, num_experts: int) -> Tensor:
+@dataclass(frozen=True)
+class TokenSplit:
+    """A row's tokens split into `size` equal runs of consecutive tokens over a process group, this rank's block
+    seeing run `rank` only (tensor parallelism's sequence-parallel stream)."""
+
+    group: ProcessGroup
+    """The ranks that hold the row's runs."""
+    rank: int
+    """Which run this rank holds."""
+    size: int
+    """Runs per row."""
+
+
+def seq_balance_loss(
+    routing: Routing, doc_ids: Tensor, cu_seqlens: Tensor, num_experts: int, split: TokenSplit | None = None
+) -> Tensor:
     """Sum over the row's segments of DeepSeek-V3's sequence-wise balance loss sum_i f_i P_i (see the module
-    docstring); differentiable through the scores (P), not through the choices (f)."""
+    docstring); differentiable through the scores (P), not through the choices (f).
+
+    With `split`, `routing` covers this rank's run of the row only: the choices are summed over the group (one
+    all-reduce, no gradient), so f is the whole segment's, and the result is this rank's part of the loss, sum_i f_i
+    times its own tokens' share of P_i. The parts add up to the row's loss over the group, and each part's gradient
+    is the loss's gradient through this rank's scores, because the loss is linear in P."""
     t, k = routing.indices.shape
     segments = cu_seqlens.shape[0] - 1
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).float().unsqueeze(1)
     seg = doc_ids.long()
+    if split is not None:
+        seg = seg.view(split.size, -1)[split.rank]
     probs = routing.scores / routing.scores.sum(-1, keepdim=True)
     p = torch.zeros(segments, num_experts, device=probs.device, dtype=torch.float32).index_add_(0, seg, probs) / lens
     flat = (seg.unsqueeze(1) * num_experts + routing.indices).reshape(-1)
     hits = torch.zeros(segments * num_experts, device=probs.device, dtype=torch.float32)
     hits = hits.index_add_(0, flat, torch.ones(t * k, device=probs.device, dtype=torch.float32))
+    if split is not None:
+        hits = funcol.all_reduce(hits, "sum", split.group)
     f = hits.view(segments, num_experts) * (num_experts / k) / lens
     return (f * p).sum()
 
@@ -345,6 +371,9 @@ class MoE(nn.Module):
         self.register_buffer("aux_scale", torch.zeros(()), persistent=False)
         self.seq_aux = False
         """Add the sequence-wise balance loss in training (set by the trainer before the first forward)."""
+        self.token_split: TokenSplit | None = None
+        """Under tensor parallelism, which run of each row's tokens this block sees (the sequence-wise loss counts
+        choices over the whole row)."""
 
     def forward(self, x: Tensor, mask: DocumentMask | None = None) -> Tensor:
         """x [T, hidden] -> [T, hidden]; `mask` gives the segments of the sequence-wise balance loss."""
@@ -357,7 +386,7 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         aux = None
         if self.seq_aux and self.training and mask is not None:
-            aux = seq_balance_loss(routing, mask.doc_ids, mask.cu_seqlens, self.spec.num_experts)
+            aux = seq_balance_loss(routing, mask.doc_ids, mask.cu_seqlens, self.spec.num_experts, self.token_split)
             out = _AuxLossGradient.apply(out, aux, self.aux_scale)
         if self.training and _counting():
             with torch.no_grad():

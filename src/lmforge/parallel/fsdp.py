@@ -93,7 +93,9 @@ def parallelize(
     target = target or ctx.device
     if ctx.tp.size > 1:
         # first: context and expert parallelism and FSDP wrap the split layers
-        apply_tensor_parallel(model, ctx.tp, expert_parallel=ctx.ep.size > 1)
+        # NCCL all-gathers float8 tensors (the plan's fake process group too); gloo has no float8 types
+        float8_gather = target.type == "cuda"
+        apply_tensor_parallel(model, ctx.tp, expert_parallel=ctx.ep.size > 1, float8_gather=float8_gather)
     if ctx.cp.size > 1:
         apply_context_parallel(model, replace(ctx.cp, kernel=context_kernel(cfg.attn, target)))
     experts = shard_experts(model, ctx.ep) if ctx.ep.size > 1 else []

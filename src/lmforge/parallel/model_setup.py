@@ -70,7 +70,9 @@ def build_run_model(
         # Before checkpointing, compilation and sharding, which wrap the converted layers.
         if target == ctx.device:
             check_fp8_device(config.model.fp8, config.model.fp8_emulate, ctx.device)
-        gather = shard and fsdp_wraps(config.model, ctx, target)
+        # FSDP's float8 all-gather scales each weight over its FSDP shards only; a TP-split weight's scale would
+        # then be its TP part's, not the whole tensor's. Under TP each layer casts its gathered weight instead.
+        gather = shard and fsdp_wraps(config.model, ctx, target) and config.parallel.tp == 1
         apply_fp8(model.blocks, config.model.fp8, config.model.fp8_emulate, fsdp_all_gather=gather)
     parallelize(model, model.blocks, config.model, ctx, target, shard)  # in place: the sharded model is the same object
     return model

@@ -13,6 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -66,6 +67,17 @@ class Traffic:
         return Traffic(self.calls * n, self.buffer_bytes * n, self.sent_bytes * n, self.seconds * n)
 
 
+def _wire_ratio(args: Any) -> float:
+    """Bytes sent per byte of a collective's first tensor argument as its dtype counts them: a tensor subclass that
+    carries its payload in `_data` (torchao's float8 training tensors, whose dtype is the high-precision one they
+    stand for) sends the payload."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            data = getattr(arg, "_data", None)
+            return data.element_size() / arg.element_size() if isinstance(data, torch.Tensor) else 1.0
+    return 1.0
+
+
 class Collectives(TorchDispatchMode):
     """Counts the collectives dispatched inside it, by kind, for `gpu`s with `gpus_per_node` GPUs a node."""
 
@@ -90,7 +102,7 @@ class Collectives(TorchDispatchMode):
             from torch.distributed._tools.fake_collectives import CollectiveOp
 
             group = CollectiveOp.get_process_group(func, args)
-            size = float(CollectiveOp.get_comm_tensor_size(func, out, args, kwargs))
+            size = float(CollectiveOp.get_comm_tensor_size(func, out, args, kwargs)) * _wire_ratio(args)
             ranks = dist.get_process_group_ranks(group)
         except Exception:
             self.unknown += 1

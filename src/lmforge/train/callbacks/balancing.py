@@ -156,8 +156,17 @@ def load_metrics(counts: np.ndarray, confidence_sums: np.ndarray, top_k: int, la
 class MoEBalancer(Callback):
     """Reads the MoE blocks' step statistics and moves their selection biases: a callback of every MoE run."""
 
-    def __init__(self, model: nn.Module, cfg: MoEBalanceConfig, coeff_override: float | None, max_steps: int) -> None:
-        """`coeff_override` is the arch's `load_balance_coeff` (GLM-4.5 style), which wins over `cfg.coeff`."""
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: MoEBalanceConfig,
+        coeff_override: float | None,
+        max_steps: int,
+        counts_segments: bool = True,
+    ) -> None:
+        """`coeff_override` is the arch's `load_balance_coeff` (GLM-4.5 style), which wins over `cfg.coeff`;
+        `counts_segments` is False on the ranks of a tensor-parallel group but its first, which see the same rows
+        (each segment is counted once)."""
         blocks: dict[int, MoE] = model.moe_layers()  # type: ignore[operator]
         self.layers = sorted(blocks)
         self.blocks = [blocks[i] for i in self.layers]
@@ -182,6 +191,7 @@ class MoEBalancer(Callback):
         for block in self.blocks:
             block.seq_aux = self.seq_aux_coeff > 0
         self._local_segments: Tensor | None = None
+        self.counts_segments = counts_segments
 
     name = "moe_balance"
 
@@ -215,7 +225,7 @@ class MoEBalancer(Callback):
                 block.gate.record_choices = False
         if self.seq_aux_coeff > 0:
             device = self.blocks[0].aux_scale.device
-            local = float(sum(len(mb.doc_lens) for mb in micro_batches))
+            local = float(sum(len(mb.doc_lens) for mb in micro_batches)) if self.counts_segments else 0.0
             segments = torch.tensor(local, device=device)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(segments)
@@ -345,10 +355,12 @@ class MoEBalancer(Callback):
                            sums["moe/rank_load"], sums.get("moe/choice_hist"), sums.get("moe/segments"))  # fmt: skip
 
 
-def moe_balancer(model: nn.Module, cfg: MoEBalanceConfig, max_steps: int) -> MoEBalancer | None:
+def moe_balancer(
+    model: nn.Module, cfg: MoEBalanceConfig, max_steps: int, counts_segments: bool = True
+) -> MoEBalancer | None:
     """The balancer of `model`'s MoE layers, None without any; the arch's `load_balance_coeff` (GLM-4.5 style)
-    wins over `cfg.coeff`."""
+    wins over `cfg.coeff`; `counts_segments`: whether this rank counts its rows' segments (see `MoEBalancer`)."""
     if not model.moe_layers():  # type: ignore[operator]
         return None
     coeff = getattr(model.arch, "load_balance_coeff", None)
-    return MoEBalancer(model, cfg, coeff, max_steps)
+    return MoEBalancer(model, cfg, coeff, max_steps, counts_segments)
