@@ -52,11 +52,15 @@ def test_hsdp_trains_like_one_process_and_resumes_across_layouts(tmp_path: Path)
 
 
 def test_a_moe_under_hsdp_and_expert_parallelism_trains_like_one_process(tmp_path: Path) -> None:
+    # Each replica group of 2 ranks is one expert-parallel group: the expert stacks, like the dense weights, are
+    # sharded within a group and replicated across the two. A checkpoint of that layout resumes on one process.
     cfg = tmp_path / "moe.toml"
     cfg.write_text(RUN.format(out=tmp_path / "unused"))
     one = train_run(cfg, tmp_path / "one")
-    hybrid = train_run(cfg, tmp_path / "hsdp_ep2", *HSDP, "--parallel.ep", "2", nproc=4)
+    hybrid = train_run(cfg, tmp_path / "hsdp_ep2", *HSDP, "--parallel.ep", "2", "--ckpt.interval", "4", nproc=4)
     same_curves(one, {"hsdp_ep2": hybrid}, ("loss/mean", "optim/grad_norm", "moe/bias/abs_mean"), 8)
+    resumed = train_run(cfg, tmp_path / "resumed", "--resume.step", "4", "--resume.path", str(hybrid))
+    assert curve(resumed, "loss/mean") == pytest.approx(curve(one, "loss/mean")[4:], rel=1e-5)
 
 
 def test_validation_under_hsdp_equals_one_process(tmp_path: Path) -> None:

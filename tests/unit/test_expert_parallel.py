@@ -1,6 +1,7 @@
 """Expert parallelism's dispatch on two gloo ranks: a token copy sent to the rank holding its expert gets the output
 and the gradients it gets when every expert is local, also when a rank routes no token, receives none, or an
-expert gets none; the checkpoint view presents whole stacks; the config checks name the field."""
+expert gets none; the checkpoint view presents whole stacks; under HSDP the expert stacks shard within a replica
+group and replicate across groups; the config checks name the field."""
 
 from __future__ import annotations
 
@@ -132,3 +133,31 @@ def test_expert_parallel_checks_name_the_field() -> None:
     refused = TrainConfig.model_validate(selective)
     assert [field for field, _ in expert_problems(refused, 2)] == ["model.ac.mode"]
     assert expert_problems(refused, 4) == []
+    # under HSDP each replica group holds whole expert-parallel groups
+    hybrid = TrainConfig.model_validate({**base, "parallel": {"ep": 2, "dp_replicate": 4}})
+    assert expert_problems(hybrid, 8) == []
+    assert expert_problems(hybrid, 4) == [("parallel.ep", "2 does not divide a replica group's 1 ranks (world size "
+                                           "/ parallel.dp_replicate = 4)")]  # fmt: skip
+
+
+def test_expert_stacks_replicate_over_hsdp_replica_groups() -> None:
+    # rank 5 of 8 with ep 2 and 2 replica groups of 4 ranks (0-3, 4-7), on a fake process group
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lmforge.parallel.process_group import _expert_shard
+
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+    try:
+        shard = _expert_shard(torch.device("cpu"), 8, 5, ep=2, dp_replicate=2)
+        assert (shard.rank, shard.size) == (1, 2) and dist.get_process_group_ranks(shard.group) == [4, 5]
+        # FSDP shards the experts within the replica group (ranks 5 and 7 hold experts 2-3) and replicates across
+        # groups (1 and 5 hold the same rows)
+        assert shard.fsdp_mesh.mesh_dim_names == ("ereplicate", "eshard")
+        assert shard.fsdp_mesh.mesh.tolist() == [[1, 3], [5, 7]]
+        # checkpoints place the rows in the whole stack: expert blocks outermost, then replicas, then FSDP shards
+        assert shard.layout.mesh.tolist() == [[[0, 2], [4, 6]], [[1, 3], [5, 7]]]
+        plain = _expert_shard(torch.device("cpu"), 8, 5, ep=2)
+        assert plain.fsdp_mesh.mesh.tolist() == [1, 3, 5, 7]
+    finally:
+        dist.destroy_process_group()

@@ -100,6 +100,11 @@ def expert_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
                          "no routed experts)"))  # fmt: skip
     elif experts % ep:
         problems.append(("parallel.ep", f"{ep} does not divide the {experts} routed experts per MoE block"))
+    replicas = config.parallel.dp_replicate
+    if world_size % replicas == 0 and (world_size // replicas) % ep:
+        # each replica group holds whole expert-parallel groups, so the expert stacks replicate as the dense weights
+        problems.append(("parallel.ep", f"{ep} does not divide a replica group's {world_size // replicas} ranks "
+                         f"(world size / parallel.dp_replicate = {replicas})"))  # fmt: skip
     if world_size == ep and config.model.ac.mode == "selective":
         # Each expert then shards over one rank, and torch's selective checkpointing finds the recomputed forward
         # of such a module different from the first one (a real run stops in its first backward).

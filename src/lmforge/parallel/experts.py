@@ -49,9 +49,10 @@ class ExpertShard:
     size: int
     """Ranks in the group (`parallel.ep`)."""
     fsdp_mesh: DeviceMesh | None = None
-    """The 1-D mesh FSDP shards this rank's experts over: the ranks holding the same experts, one per group."""
+    """The mesh FSDP shards this rank's experts over: the ranks holding the same experts, one per group; 2-D
+    (replicate, shard) under HSDP, whose replica groups each hold a copy."""
     layout: DeviceMesh | None = None
-    """The 2-D (ep, expert FSDP) mesh that places this rank's rows of an expert stack in the whole stack, as
+    """The (ep, expert FSDP...) mesh that places this rank's rows of an expert stack in the whole stack, as
     checkpoints hold it."""
 
 
@@ -185,10 +186,11 @@ def _rewrap(state: Any, shard: ExpertShard) -> Any:
 
 
 def _whole_stack(t: DTensor, shard: ExpertShard) -> Tensor:
-    if t.placements != (Shard(0),):
+    # FSDP's Shard(0) along the experts, after HSDP's Replicate when the stacks are replicated over replica groups
+    if t.placements[-1] != Shard(0) or not all(p.is_replicate() for p in t.placements[:-1]):
         raise ValueError(f"expert stacks must be sharded along the experts, got {t.placements}")
     assert shard.layout is not None
     shape = (t.shape[0] * shard.size, *t.shape[1:])
     return DTensor.from_local(
-        t.to_local(), shard.layout, (Shard(0), Shard(0)), run_check=False, shape=shape, stride=t.stride()
+        t.to_local(), shard.layout, (Shard(0), *t.placements), run_check=False, shape=shape, stride=t.stride()
     )

@@ -100,7 +100,7 @@ def init_distributed(
     if tp > 1:
         ctx = _grid_context(rank, world, local_rank, device, cp, dp_replicate, tp)
         if ep > 1:
-            ctx.ep = _expert_shard(device, world, rank, ep)
+            ctx.ep = _expert_shard(device, world, rank, ep, dp_replicate)
         return ctx
     if dp_replicate > 1:
         mesh = init_device_mesh(device.type, (dp_replicate, world // dp_replicate),
@@ -113,20 +113,30 @@ def init_distributed(
         shard = ContextShard(grid.get_group("cp"), rank % cp, cp)
     ctx = DistContext(rank, world, local_rank, device, mesh, shard)
     if ep > 1:
-        ctx.ep = _expert_shard(device, world, rank, ep)
+        ctx.ep = _expert_shard(device, world, rank, ep, dp_replicate)
     return ctx
 
 
-def _expert_shard(device: torch.device, world: int, rank: int, ep: int) -> ExpertShard:
-    """This rank's expert-parallel group: consecutive ranks, on a mesh of their own (expert stacks shard over the
-    ranks holding the same experts, whatever the other dimensions)."""
+def _expert_shard(device: torch.device, world: int, rank: int, ep: int, dp_replicate: int = 1) -> ExpertShard:
+    """This rank's expert-parallel group: consecutive ranks, on a mesh of their own. Expert stacks shard over the
+    ranks holding the same experts, whatever the other dimensions; with `dp_replicate` > 1 (HSDP) they do so within
+    each replica group and are replicated across the groups, as the dense weights are."""
     if world % ep:
         raise ValueError(f"parallel.ep = {ep} does not divide the world size {world}")
-    grid = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
-    # Whole stacks are cut first into ep blocks of experts, then each block over its FSDP ranks: the same grid with
-    # the ep dimension outermost.
-    layout = DeviceMesh(device.type, grid.mesh.T.contiguous(), mesh_dim_names=("ep", "efsdp"))
-    return ExpertShard(grid.get_group("ep"), rank % ep, ep, grid["efsdp"], layout)
+    if (world // dp_replicate) % ep:
+        raise ValueError(f"parallel.ep = {ep} does not divide a replica group's {world // dp_replicate} ranks "
+                         f"(parallel.dp_replicate = {dp_replicate})")  # fmt: skip
+    if dp_replicate == 1:
+        grid = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+        # Whole stacks are cut first into ep blocks of experts, then each block over its FSDP ranks: the same grid
+        # with the ep dimension outermost.
+        layout = DeviceMesh(device.type, grid.mesh.T.contiguous(), mesh_dim_names=("ep", "efsdp"))
+        return ExpertShard(grid.get_group("ep"), rank % ep, ep, grid["efsdp"], layout)
+    shards = world // (dp_replicate * ep)
+    grid = init_device_mesh(device.type, (dp_replicate, shards, ep), mesh_dim_names=("ereplicate", "eshard", "ep"))
+    layout = DeviceMesh(device.type, grid.mesh.permute(2, 0, 1).contiguous(),
+                        mesh_dim_names=("ep", "ereplicate", "eshard"))  # fmt: skip
+    return ExpertShard(grid.get_group("ep"), rank % ep, ep, grid["ereplicate", "eshard"], layout)
 
 
 def _grid_context(
