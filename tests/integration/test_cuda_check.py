@@ -101,6 +101,15 @@ CASES = {
                                               "situ_glu", "--model.arch.hyper_connections", "2"], {"_AllToAll"}),
     "Llama-3-8B at 64, cp 2": ("llama3-8b", 64, ["--parallel.cp", "2"], {"_GatherRow"}),
     "16B MoE at 16, ep 8": ("moe-16b", 16, [], {"_AllToAll"}),
+    # tensor parallelism on CUDA meshes: local heads through the varlen kernel, torchao's float8 TP styles
+    "llama-150m at 8, tp 2 x cp 2, FP8": ("llama-150m", 8, ["--parallel.tp", "2", "--parallel.cp", "2",
+                                                            "--model.fp8", "tensorwise"],
+                                          {"_GatherRow", "_FusedHeadCrossEntropy"}),
+    "MoE, tp 2 x ep 2, research options, FP8": ("moe", 4, ["--parallel.tp", "2", "--parallel.ep", "2",
+                                                           "--model.arch.hyper_connections", "2",
+                                                           "--model.moe_balance.seq_aux_coeff", "0.001",
+                                                           "--model.fp8", "tensorwise"],
+                                                {"_AllToAll", "_AuxLossGradient"}),
 }  # fmt: skip
 
 
@@ -115,6 +124,8 @@ def test_the_examples_pass_the_check(tmp_path: Path, case: str) -> None:
     assert result.returncode == 0 and check["ok"], result.stdout + result.stderr
     assert check["choices"]["attention"].startswith("varlen") and check["choices"]["parameters"] == "bfloat16"
     assert check["backward_nodes"] > 100
+    tp = extra[extra.index("--parallel.tp") + 1] if "--parallel.tp" in extra else "1"
+    assert check["choices"]["tensor parallel"] == tp
     for function in functions | {"RMSNormFunction", "RotaryFunction"}:
         assert check["own_backwards"].get(f"{function}Backward", 0) > 0, (function, check["own_backwards"])
     assert "no problem found" in result.stdout

@@ -67,7 +67,12 @@ class DistContext:
 
 
 def init_distributed(
-    timeout_minutes: float = 30.0, cp: int = 1, ep: int = 1, dp_replicate: int = 1, tp: int = 1
+    timeout_minutes: float = 30.0,
+    cp: int = 1,
+    ep: int = 1,
+    dp_replicate: int = 1,
+    tp: int = 1,
+    mesh_device: str | None = None,
 ) -> DistContext:
     """Start (or join) the process group from torchrun's environment, or as a group of one.
 
@@ -76,7 +81,10 @@ def init_distributed(
     dimension forms the context-parallel groups; with `dp_replicate` > 1, FSDP's mesh is 2-D (replicate, shard):
     that many groups of consecutive data- and context-parallel ranks (HSDP). FSDP shards over every rank of the
     grid but the TP dimension. With `ep` > 1, consecutive ranks form the expert-parallel groups of a 2-D (expert
-    FSDP, ep) mesh, across data- and context-parallel ranks alike."""
+    FSDP, ep) mesh, across data- and context-parallel ranks alike.
+
+    `mesh_device` names the device type of the context and its meshes instead of the rank's own: `lmforge plan
+    --check-cuda` joins a fake process group with CUDA meshes on a machine without a GPU."""
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
@@ -87,6 +95,8 @@ def init_distributed(
         device = torch.device("cpu")
         backend = "gloo"
     timeout = datetime.timedelta(minutes=timeout_minutes)
+    if mesh_device is not None:
+        device = torch.device(mesh_device)
     if not dist.is_initialized():
         if "RANK" in os.environ:
             dist.init_process_group(backend=backend, timeout=timeout, device_id=device if use_cuda else None)

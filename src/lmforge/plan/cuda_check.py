@@ -233,7 +233,8 @@ def check_cuda(
     if vocab_note:
         notes.append(vocab_note)
     problems: Counter[CudaProblem] = Counter()
-    ctx = fake_world(config, world_size)
+    # CUDA meshes: DTensor's collectives (tensor parallelism) then keep the fake CUDA tensors on the device
+    ctx = fake_world(config, world_size, mesh_device="cuda")
     try:
         rows = plan_batches(config, None if vocab_note else tokenizer, ctx.dp_size, doc_len).micro_batches
         micro_batches = [shard_micro_batch(mb, ctx.cp) for mb in rows]
@@ -255,9 +256,12 @@ def check_cuda(
             HostReads(),
         ):
             model.to_empty(device=CUDA)
+            for module in model.modules():
+                # New parameters: setting `.data` of a DTensor (tensor parallelism) leaves its local part's dtype
+                for name, p in list(module._parameters.items()):
+                    if p is not None:
+                        module._parameters[name] = nn.Parameter(p.detach().to(dtype), p.requires_grad)
             model.tie_weights()
-            for p in model.parameters():
-                p.data = p.data.to(dtype)
             if balance_dispatches(model):
                 notes.append("expert parallelism: exchanges sized as balanced routing (its one documented host "
                              "read stood in for)")  # fmt: skip
@@ -280,6 +284,7 @@ def check_cuda(
             "fp8": config.model.fp8,
             "context parallel": str(ctx.cp.size),
             "expert parallel": str(ctx.ep.size),
+            "tensor parallel": str(ctx.tp.size),
         }
         return CudaCheck(
             problems=list(problems), counts=problems, micro_batches=len(traced), backward_nodes=ran,

@@ -202,8 +202,8 @@ def _categories(snapshot: dict[str, int]) -> dict[str, float]:
     return memory
 
 
-def fake_world(config: TrainConfig, world_size: int) -> DistContext:
-    """Rank 0 of a fake process group of `world_size` ranks, with the run's device mesh (CPU)."""
+def fake_world(config: TrainConfig, world_size: int, mesh_device: str = "cpu") -> DistContext:
+    """Rank 0 of a fake process group of `world_size` ranks, with the run's device meshes on `mesh_device`."""
     try:
         from torch.testing._internal.distributed.fake_pg import FakeStore
     except ImportError as e:
@@ -213,7 +213,8 @@ def fake_world(config: TrainConfig, world_size: int) -> DistContext:
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     parallel = config.parallel
-    return init_distributed(cp=parallel.cp, ep=parallel.ep, dp_replicate=parallel.dp_replicate, tp=parallel.tp)
+    return init_distributed(cp=parallel.cp, ep=parallel.ep, dp_replicate=parallel.dp_replicate, tp=parallel.tp,
+                            mesh_device=mesh_device)  # fmt: skip
 
 
 def describe_layout(ctx: DistContext, dp_replicate: int) -> str:
