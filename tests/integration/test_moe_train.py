@@ -12,7 +12,7 @@ import torch
 from lmforge.hf.folder import load_pretrained
 from lmforge.model.generate import generate
 from lmforge.monitor import read_metrics
-from tests.integration.runner import losses, run_cli
+from tests.integration.runner import losses, run_cli, same_curves
 
 pytestmark = pytest.mark.slow
 
@@ -89,6 +89,9 @@ def test_sequence_balance_loss_trains_the_same_on_one_and_two_processes(tmp_path
     # sum_i f_i P_i is 1 for a uniform router (f_i = 1, P_i = 1 / E); with coeff 0.01 and one MoE layer, about 0.01
     assert all(0.005 < r["moe/seq_aux_loss"] < 0.05 for r in records)
     assert losses(two) == pytest.approx(losses(one), rel=1e-5, abs=1e-5)
+    # under CP each rank routes its chunks of a row: the choices are summed over the pair, the segments counted once
+    split = run(tmp_path, "cp2", *flags, "--parallel.cp", "2", nproc=2)
+    same_curves(one, {"cp2": split}, ("loss/mean", "optim/grad_norm", "moe/seq_aux_loss"), 4)
     assert losses(one)[0] == losses(plain)[0], "the first forward is the same; the loss term acts through gradients"
     assert losses(one)[1:] != losses(plain)[1:]
 

@@ -161,9 +161,7 @@ def test_each_bad_layout_has_its_message() -> None:
         "data.seq_len": "60 does not split into 2 x parallel.cp = 8 equal chunks",
         "data.micro_batch_tokens": "132 does not split into 2 x parallel.cp = 8 equal chunks",
         "model.attn": "'sdpa_loop' does not run under parallel.cp > 1; use auto, sdpa, flex, varlen, flash",
-        "model.moe_balance.seq_aux_coeff": "the sequence-wise balance loss does not run under parallel.cp > 1 yet (a "
-        "segment's tokens are spread over the CP group)",
-    }
+    }  # the sequence-wise balance loss runs under CP (its choices summed over the row's ranks)
 
 
 def _kernel_check(kernel: str, device: str, dtype: torch.dtype, atol: float, backward: bool) -> None:

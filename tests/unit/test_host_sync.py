@@ -355,7 +355,8 @@ def _two_rank_worker(rank: int, port: int, tmp: str) -> None:
         "validation": _val_files(tmp_path / f"files{rank}"),
         "cp2": {"parallel": {"cp": 2}},
         "moe-quantile-cp2": {
-            "model": {"arch": tiny_glm().model_dump(), "moe_balance": {"rule": "quantile"}},
+            # the sequence-wise loss's choices summed over the CP pair
+            "model": {"arch": tiny_glm().model_dump(), "moe_balance": {"rule": "quantile", "seq_aux_coeff": 0.01}},
             "parallel": {"cp": 2},
         },
         # hybrid sharding: 2 replica groups of one rank (the gradient norm's replica scaling, Muon on the groups)

@@ -80,9 +80,6 @@ def context_problems(config: TrainConfig, world_size: int) -> list[tuple[str, st
     if config.model.attn not in CP_ATTENTION:
         problems.append(("model.attn", f"{config.model.attn!r} does not run under parallel.cp > 1; use "
                          f"{', '.join(CP_ATTENTION)}"))  # fmt: skip
-    if config.model.moe_balance.seq_aux_coeff > 0:
-        problems.append(("model.moe_balance.seq_aux_coeff", "the sequence-wise balance loss does not run under "
-                         "parallel.cp > 1 yet (a segment's tokens are spread over the CP group)"))  # fmt: skip
     return problems
 
 

@@ -275,15 +275,27 @@ class Experts(nn.Module):
 
 @dataclass(frozen=True)
 class TokenSplit:
-    """A row's tokens split into `size` equal runs of consecutive tokens over a process group, this rank's block
-    seeing run `rank` only (tensor parallelism's sequence-parallel stream)."""
+    """Which tokens of a row an MoE block sees when the row is split over ranks: context parallelism cuts it into
+    `chunks` equal chunks and gives this rank the chunks `mine`; tensor parallelism then splits those tokens into
+    `runs` equal runs of consecutive tokens, this rank's block seeing run `run`."""
 
-    group: ProcessGroup
-    """The ranks that hold the row's runs."""
-    rank: int
-    """Which run this rank holds."""
-    size: int
-    """Runs per row."""
+    groups: tuple[ProcessGroup, ...]
+    """The groups whose ranks hold the row's other tokens (the CP group, the TP group): summing over each in turn
+    sums over the whole row."""
+    chunks: int = 1
+    """Equal chunks the row is cut into (2 x cp under context parallelism)."""
+    mine: tuple[int, ...] = (0,)
+    """This rank's chunks, in the order it holds them."""
+    run: int = 0
+    """Which run of its chunks' tokens this rank's block sees."""
+    runs: int = 1
+    """Runs its chunks' tokens are split into (tp)."""
+
+    def positions(self, total: int, device: torch.device) -> Tensor:
+        """Row positions of the tokens this rank's block sees, in a row of `total` tokens (made on `device`)."""
+        size = total // self.chunks
+        held = torch.cat([torch.arange(c * size, (c + 1) * size, device=device) for c in self.mine])
+        return held.view(self.runs, -1)[self.run]
 
 
 def seq_balance_loss(
@@ -292,23 +304,24 @@ def seq_balance_loss(
     """Sum over the row's segments of DeepSeek-V3's sequence-wise balance loss sum_i f_i P_i (see the module
     docstring); differentiable through the scores (P), not through the choices (f).
 
-    With `split`, `routing` covers this rank's run of the row only: the choices are summed over the group (one
-    all-reduce, no gradient), so f is the whole segment's, and the result is this rank's part of the loss, sum_i f_i
-    times its own tokens' share of P_i. The parts add up to the row's loss over the group, and each part's gradient
-    is the loss's gradient through this rank's scores, because the loss is linear in P."""
+    With `split`, `routing` covers this rank's tokens of the row only: the choices are summed over the row's ranks
+    (an all-reduce per group, no gradient), so f is the whole segment's, and the result is this rank's part of the
+    loss, sum_i f_i times its own tokens' share of P_i. The parts add up to the row's loss over its ranks, and each
+    part's gradient is the loss's gradient through this rank's scores, because the loss is linear in P."""
     t, k = routing.indices.shape
     segments = cu_seqlens.shape[0] - 1
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).float().unsqueeze(1)
     seg = doc_ids.long()
     if split is not None:
-        seg = seg.view(split.size, -1)[split.rank]
+        seg = seg[split.positions(seg.shape[0], seg.device)]
     probs = routing.scores / routing.scores.sum(-1, keepdim=True)
     p = torch.zeros(segments, num_experts, device=probs.device, dtype=torch.float32).index_add_(0, seg, probs) / lens
     flat = (seg.unsqueeze(1) * num_experts + routing.indices).reshape(-1)
     hits = torch.zeros(segments * num_experts, device=probs.device, dtype=torch.float32)
     hits = hits.index_add_(0, flat, torch.ones(t * k, device=probs.device, dtype=torch.float32))
     if split is not None:
-        hits = funcol.all_reduce(hits, "sum", split.group)
+        for group in split.groups:
+            hits = funcol.all_reduce(hits, "sum", group)
     f = hits.view(segments, num_experts) * (num_experts / k) / lens
     return (f * p).sum()
 
@@ -372,8 +385,8 @@ class MoE(nn.Module):
         self.seq_aux = False
         """Add the sequence-wise balance loss in training (set by the trainer before the first forward)."""
         self.token_split: TokenSplit | None = None
-        """Under tensor parallelism, which run of each row's tokens this block sees (the sequence-wise loss counts
-        choices over the whole row)."""
+        """Under context or tensor parallelism, which tokens of each row this block sees (the sequence-wise loss
+        counts choices over the whole row)."""
 
     def forward(self, x: Tensor, mask: DocumentMask | None = None) -> Tensor:
         """x [T, hidden] -> [T, hidden]; `mask` gives the segments of the sequence-wise balance loss."""

@@ -29,6 +29,7 @@ from torch import Tensor
 from lmforge.data.batch import MicroBatch
 from lmforge.model.attention import DocumentMask, compiled_flex, flash_call, resolve_backend, varlen_call
 from lmforge.model.llama import CausalLM
+from lmforge.model.moe import TokenSplit
 
 CP_KERNELS = ("sdpa", "flex", "varlen", "flash")
 """Attention kernels under context parallelism."""
@@ -232,6 +233,13 @@ def apply_context_parallel(model: CausalLM, shard: ContextShard) -> None:
     """Pass `ContextAttention` of `shard` into every layer of `model`, which then takes this rank's T / cp tokens
     of each row and the whole row's segment lengths."""
     model.model.use_attention(ContextAttention(shard), row_split=shard.size)
+    assert shard.group is not None
+    for block in model.moe_layers().values():
+        # The sequence-wise balance loss counts each segment's choices over the whole row: this rank's chunks, and
+        # under tensor parallelism (applied first) its run of their tokens.
+        tp = block.token_split or TokenSplit(())
+        mine = (shard.rank, 2 * shard.size - 1 - shard.rank)
+        block.token_split = replace(tp, groups=(shard.group, *tp.groups), chunks=2 * shard.size, mine=mine)
 
 
 def shard_micro_batch(mb: MicroBatch, shard: ContextShard) -> MicroBatch:

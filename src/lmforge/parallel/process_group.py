@@ -61,6 +61,12 @@ class DistContext:
         return self.tp.rank == 0
 
     @property
+    def counts_rows(self) -> bool:
+        """Whether this rank counts whole-row figures (a row's segments) in the step's sums: every rank of a CP and
+        TP group sees the whole row's segment lengths, so only the first of each counts them."""
+        return self.tp.rank == 0 and self.cp.rank == 0
+
+    @property
     def is_main(self) -> bool:
         """Rank 0 writes the run directory and the console."""
         return self.rank == 0

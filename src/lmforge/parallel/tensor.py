@@ -188,7 +188,8 @@ class _TokenLocal(ParallelStyle):
                     local.append((sub, key))
         if isinstance(module, MoE):
             # its sequence-wise balance loss counts each segment's choices over the whole row
-            module.token_split = TokenSplit(device_mesh.get_group(), device_mesh.get_local_rank(), device_mesh.size())
+            group, rank, size = device_mesh.get_group(), device_mesh.get_local_rank(), device_mesh.size()
+            module.token_split = TokenSplit((group,), run=rank, runs=size)
         swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
 
         def enter(mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:

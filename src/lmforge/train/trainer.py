@@ -129,7 +129,7 @@ class Trainer:
         scale = role_scales(arch, init.scheme, init.base_hidden_size, init.base_num_layers)
         if resume_from is None:
             self._initialize_weights(scale)
-        balancer = moe_balancer(self.model, self.config.model.moe_balance, self.config.max_steps, ctx.counts_tokens)
+        balancer = moe_balancer(self.model, self.config.model.moe_balance, self.config.max_steps, ctx.counts_rows)
         self.optimizer = build_optimizer(self.model, config.optim, scale, config.schedule, config.max_steps)
         state = self._resume(resume_from) if resume_from is not None else {}
         self.data = open_stream(source, config.max_steps, self.step, state.get("data"), ctx.device.type == "cuda")

@@ -165,8 +165,8 @@ class MoEBalancer(Callback):
         counts_segments: bool = True,
     ) -> None:
         """`coeff_override` is the arch's `load_balance_coeff` (GLM-4.5 style), which wins over `cfg.coeff`;
-        `counts_segments` is False on the ranks of a tensor-parallel group but its first, which see the same rows
-        (each segment is counted once)."""
+        `counts_segments` is False on the ranks of a context- or tensor-parallel group but its first, which see the
+        same rows (each segment is counted once)."""
         blocks: dict[int, MoE] = model.moe_layers()  # type: ignore[operator]
         self.layers = sorted(blocks)
         self.blocks = [blocks[i] for i in self.layers]
