@@ -140,24 +140,33 @@ def test_expert_parallel_checks_name_the_field() -> None:
                                            "/ parallel.dp_replicate = 4)")]  # fmt: skip
 
 
-def test_expert_stacks_replicate_over_hsdp_replica_groups() -> None:
-    # rank 5 of 8 with ep 2 and 2 replica groups of 4 ranks (0-3, 4-7), on a fake process group
+def _expert_mesh_worker(_: int, out: str) -> None:
+    # rank 5 of 8 with ep 2 and 2 replica groups of 4 ranks (0-3, 4-7), on a fake process group of its own process
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from lmforge.parallel.process_group import _expert_shard
 
     dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
-    try:
-        shard = _expert_shard(torch.device("cpu"), 8, 5, ep=2, dp_replicate=2)
-        assert (shard.rank, shard.size) == (1, 2) and dist.get_process_group_ranks(shard.group) == [4, 5]
-        # FSDP shards the experts within the replica group (ranks 5 and 7 hold experts 2-3) and replicates across
-        # groups (1 and 5 hold the same rows)
-        assert shard.fsdp_mesh.mesh_dim_names == ("ereplicate", "eshard")
-        assert shard.fsdp_mesh.mesh.tolist() == [[1, 3], [5, 7]]
-        # checkpoints place the rows in the whole stack: expert blocks outermost, then replicas, then FSDP shards
-        assert shard.layout.mesh.tolist() == [[[0, 2], [4, 6]], [[1, 3], [5, 7]]]
-        plain = _expert_shard(torch.device("cpu"), 8, 5, ep=2)
-        assert plain.fsdp_mesh.mesh.tolist() == [1, 3, 5, 7]
-    finally:
-        dist.destroy_process_group()
+    shard = _expert_shard(torch.device("cpu"), 8, 5, ep=2, dp_replicate=2)
+    plain = _expert_shard(torch.device("cpu"), 8, 5, ep=2)
+    found = {
+        "ep": [shard.rank, shard.size, dist.get_process_group_ranks(shard.group)],
+        "fsdp_dims": list(shard.fsdp_mesh.mesh_dim_names),
+        "fsdp": shard.fsdp_mesh.mesh.tolist(),
+        "layout": shard.layout.mesh.tolist(),
+        "plain_fsdp": plain.fsdp_mesh.mesh.tolist(),
+    }
+    dist.destroy_process_group()
+    Path(out, "rank0.json").write_text(json.dumps(found))
+
+
+def test_expert_stacks_replicate_over_hsdp_replica_groups(tmp_path: Path) -> None:
+    (found,) = run_ranks(_expert_mesh_worker, (str(tmp_path),), tmp_path, timeout=120, n=1)
+    assert found["ep"] == [1, 2, [4, 5]]
+    # FSDP shards the experts within the replica group (ranks 5 and 7 hold experts 2-3) and replicates across
+    # groups (1 and 5 hold the same rows)
+    assert found["fsdp_dims"] == ["ereplicate", "eshard"] and found["fsdp"] == [[1, 3], [5, 7]]
+    # checkpoints place the rows in the whole stack: expert blocks outermost, then replicas, then FSDP shards
+    assert found["layout"] == [[[0, 2], [4, 6]], [[1, 3], [5, 7]]]
+    assert found["plain_fsdp"] == [1, 3, 5, 7]
