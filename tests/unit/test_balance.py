@@ -124,7 +124,7 @@ def reference_seq_loss(scores: torch.Tensor, indices: torch.Tensor, doc_lens: li
 @pytest.mark.parametrize("arch", [tiny_glm(num_hidden_layers=2), tiny_qwen3_moe()], ids=["sigmoid", "softmax"])
 def test_sequence_loss_matches_a_per_segment_loop_and_its_gradient_reaches_the_router(arch: object) -> None:
     from lmforge.model.attention import DocumentMask
-    from lmforge.model.moe import seq_balance_loss
+    from lmforge.model.seq_balance import seq_balance_loss
 
     model = build_model(arch, 256, "sdpa", CPU)  # type: ignore[arg-type]
     init_weights(model, 0.02, 0, None, {})

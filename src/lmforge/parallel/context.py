@@ -29,7 +29,7 @@ from torch import Tensor
 from lmforge.data.batch import MicroBatch
 from lmforge.model.attention import DocumentMask, compiled_flex, flash_call, resolve_backend, varlen_call
 from lmforge.model.llama import CausalLM
-from lmforge.model.moe import TokenSplit
+from lmforge.model.seq_balance import TokenSplit
 
 CP_KERNELS = ("sdpa", "flex", "varlen", "flash")
 """Attention kernels under context parallelism."""

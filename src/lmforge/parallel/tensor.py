@@ -46,7 +46,8 @@ from lmforge.config.loader import ConfigError
 from lmforge.model.fp8 import casts_tensorwise, float8_tp_styles
 from lmforge.model.llama import CausalLM
 from lmforge.model.mlp import MLP
-from lmforge.model.moe import MoE, TokenSplit
+from lmforge.model.moe import MoE
+from lmforge.model.seq_balance import TokenSplit
 
 
 @dataclass(frozen=True)
