@@ -66,6 +66,17 @@ class DistContext:
         TP group sees the whole row's segment lengths, so only the first of each counts them."""
         return self.tp.rank == 0 and self.cp.rank == 0
 
+    def describe_layout(self) -> str:
+        """The ranks as the mesh dimensions they form, outermost first, e.g. `dp 4 (HSDP 2 x 2) x cp 2 x tp 8`;
+        under TP each GPU's tokens are its share of its group's."""
+        replicas = self.mesh.size(0) if self.mesh.ndim == 2 else 1  # HSDP's mesh is (replicate, shard)
+        dp = f"dp {self.dp_size}" + (f" (HSDP {replicas} x {self.dp_size // replicas})" if replicas > 1 else "")
+        parts = [dp] + [f"{name} {size}" for name, size in (("cp", self.cp.size), ("tp", self.tp.size)) if size > 1]
+        text = " x ".join(parts) + (f" (ep {self.ep.size} across them)" if self.ep.size > 1 else "")
+        if self.tp.size > 1:
+            text += f"; tokens and FLOPs per GPU are 1/{self.tp.size} of its TP group's"
+        return text
+
     @property
     def is_main(self) -> bool:
         """Rank 0 writes the run directory and the console."""

@@ -217,19 +217,6 @@ def fake_world(config: TrainConfig, world_size: int, mesh_device: str = "cpu") -
                             mesh_device=mesh_device)  # fmt: skip
 
 
-def describe_layout(ctx: DistContext, dp_replicate: int) -> str:
-    """The run's ranks as the mesh dimensions they form, outermost first, e.g. `dp 4 (HSDP 2 x 2) x cp 2 x tp 8`;
-    under TP each GPU's tokens are its share of its group's."""
-    dp = f"dp {ctx.dp_size}" + (f" (HSDP {dp_replicate} x {ctx.dp_size // dp_replicate})" if dp_replicate > 1 else "")
-    parts = [dp] + [f"{name} {size}" for name, size in (("cp", ctx.cp.size), ("tp", ctx.tp.size)) if size > 1]
-    if ctx.ep.size > 1:
-        parts.append(f"(ep {ctx.ep.size} across them)")
-    text = " x ".join(parts[:-1] if ctx.ep.size > 1 else parts) + (f" {parts[-1]}" if ctx.ep.size > 1 else "")
-    if ctx.tp.size > 1:
-        text += f"; tokens and FLOPs per GPU are 1/{ctx.tp.size} of its TP group's"
-    return text
-
-
 @contextlib.contextmanager
 def real_meshes() -> Iterator[None]:
     """Within the block, device meshes are made on real tensors. FSDP2 joins the data- and tensor-parallel meshes
@@ -352,7 +339,7 @@ def plan_step(
             + (f" (every {config.model.ac.freq} blocks)" if config.model.ac.mode != "none" else ""),
             "fp8": config.model.fp8,
             "compile": "on (planned eager)" if compiled else "off",
-            "layout": describe_layout(ctx, config.parallel.dp_replicate),
+            "layout": ctx.describe_layout(),
         }
         return StepPlan(
             memory=memory, peak_bytes=sum(memory.values()), tokens=tokens, flops=flops, dense_flops=dense,
