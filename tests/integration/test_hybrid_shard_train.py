@@ -1,7 +1,7 @@
 """Hybrid sharding (`parallel.dp_replicate`, HSDP) trains like one process: per-step losses and gradient norms of 2
-replica groups x 2 shards (4 processes), with Muon and with AdamW, with context parallelism inside the groups, and
-a MoE with expert parallelism, match one process within 1e-5; checkpoints resume across layouts (dp 4 -> HSDP 2 x 2
--> one process), and the exported weights are the ones one process trains."""
+replica groups x 2 shards (4 processes), with Muon and (long mode, `LMFORGE_PARALLEL_LONG=1`) AdamW, with context
+parallelism inside the groups, and a MoE with expert parallelism, match one process within 1e-5; checkpoints resume
+across layouts (dp 4 -> HSDP 2 x 2 -> one process), and the exported weights are the ones one process trains."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from lmforge.hf.folder import load_pretrained
 from tests.integration.runner import curve, same_curves, train_run, write_config
 from tests.integration.test_context_parallel_train import validation_matches_one_process
 from tests.integration.test_moe_train import RUN
+from tests.integration.test_tensor_parallel_train import LONG
 
 pytestmark = pytest.mark.slow
 
@@ -29,10 +30,11 @@ def test_hsdp_trains_like_one_process_and_resumes_across_layouts(tmp_path: Path)
         "hsdp_cp2": train_run(cfg, tmp_path / "hsdp_cp2", *HSDP, "--parallel.cp", "2", nproc=4),
     }
     same_curves(one, runs, ("loss/mean", "optim/grad_norm", "loss/tokens"), 4)
-    flags = ("--optim.type", "adamw")
-    one_adamw = train_run(cfg, tmp_path / "one_adamw", *flags)
-    same_curves(one_adamw, {"hsdp": train_run(cfg, tmp_path / "hsdp_adamw", *flags, *HSDP, nproc=4)},
-                 ("loss/mean", "optim/grad_norm"), 4)  # fmt: skip
+    if LONG:  # AdamW's replicated step; CI's short mode checks HSDP with Muon
+        flags = ("--optim.type", "adamw")
+        one_adamw = train_run(cfg, tmp_path / "one_adamw", *flags)
+        same_curves(one_adamw, {"hsdp": train_run(cfg, tmp_path / "hsdp_adamw", *flags, *HSDP, nproc=4)},
+                     ("loss/mean", "optim/grad_norm"), 4)  # fmt: skip
 
     # dp 4 for steps 1-2, HSDP 2 x 2 for step 3, one process for step 4, each resuming the previous layout
     keep = ("--ckpt.interval", "1", "--ckpt.keep-last", "4")

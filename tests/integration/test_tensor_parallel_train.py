@@ -1,13 +1,13 @@
-"""Tensor parallelism (`parallel.tp`) trains like one process: per-step losses, gradient norms and loss-token
-counts of tp 2 (2 processes), tp 2 x dp 2, tp 2 x cp 2 and tp 2 inside HSDP's replica groups (4 processes) match one
-process within 1e-5, with Muon and with AdamW, compiled with selective checkpointing, on Llama and on Qwen3
-(QK-norm), with CompleteP; an MoE with bias balancing at tp 2 and tp 2 x ep 2 has one process's losses, gradient
-norms and routing biases, and so has one with hyper-connections and the sequence-wise balance loss at tp 2 and at
-tp 2 x cp 2; emulated tensorwise FP8 at tp 2 keeps one process's first step and its FP8 parity after; parameter
-counts are one process's; checkpoints resume across layouts ((dp 2, tp 2) -> dp 4 -> (tp 2, dp_replicate 2) -> one
-process); the exported weights are the ones one process trains; validation, set files, `lmforge eval` and an SFT
-run give one process's numbers. The long mode (`LMFORGE_PARALLEL_LONG=1`) adds the HSDP composition, compilation,
-AdamW, CompleteP and SFT cases to what CI runs."""
+"""Tensor parallelism (`parallel.tp`) trains like one process: per-step losses, gradient norms and loss-token counts of
+tp 2 (2 processes), tp 2 x dp 2, tp 2 x cp 2 and tp 2 inside HSDP's replica groups (4 processes) match one process
+within 1e-5, with Muon and with AdamW, compiled with selective checkpointing, on Llama and on Qwen3 (QK-norm), with
+CompleteP; an MoE with bias balancing at tp 2 and tp 2 x ep 2 has one process's losses, gradient norms and routing
+biases, and so has one with hyper-connections and the sequence-wise balance loss at tp 2 (and, long mode, tp 2 x cp
+2); emulated tensorwise FP8 at tp 2 keeps one process's first step and its FP8 parity after; parameter counts are one
+process's; checkpoints resume across layouts ((dp 2, tp 2) -> dp 4 -> (tp 2, dp_replicate 2) -> one process); the
+exported weights are the ones one process trains; validation, set files, `lmforge eval` and an SFT run give one
+process's numbers. The long mode (`LMFORGE_PARALLEL_LONG=1`) adds the HSDP composition, compilation, AdamW, CompleteP
+and SFT cases to what CI runs."""
 
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ from tests.unit.test_fp8 import FP8_RTOL
 pytestmark = pytest.mark.slow
 
 LONG = os.environ.get("LMFORGE_PARALLEL_LONG") == "1"
-"""Long mode: also TP inside HSDP, compiled with checkpointing, AdamW, CompleteP, SFT and the HSDP leg of the
-resume chain (CI runs the short mode: tp 2, tp 2 x dp 2, tp 2 x cp 2, Qwen3, MoE with EP, validation, resume)."""
+"""Long mode: also TP inside HSDP, compiled with checkpointing, AdamW, CompleteP, SFT, the HSDP leg of the resume
+chain, an MoE at tp 2 x cp 2, and HSDP with AdamW (test_hybrid_shard_train). CI runs the short mode: tp 2, tp 2 x
+dp 2, tp 2 x cp 2, Qwen3, MoE with EP, the MoE options and FP8, validation, resume."""
 long_mode = pytest.mark.skipif(not LONG, reason="long mode: set LMFORGE_PARALLEL_LONG=1")
 
 TP = ("--parallel.tp", "2")
@@ -99,8 +100,9 @@ def test_moe_options_and_fp8_under_tp_train_like_one_process(tmp_path: Path) -> 
     cfg.write_text(MOE_RUN.format(out=tmp_path / "unused").replace("max_steps = 8", "max_steps = 4"))
     options = ("--model.arch.hyper_connections", "2", "--model.moe_balance.seq_aux_coeff", "0.01")
     one = train_run(cfg, tmp_path / "one", *options)
-    runs = {"tp2": train_run(cfg, tmp_path / "tp2", *options, *TP, nproc=2),
-            "tp2_cp2": train_run(cfg, tmp_path / "tp2_cp2", *options, *TP, "--parallel.cp", "2", nproc=4)}  # fmt: skip
+    runs = {"tp2": train_run(cfg, tmp_path / "tp2", *options, *TP, nproc=2)}
+    if LONG:  # each rank's chunks and run of a row: CI checks cp 2 (test_moe_train) and tp 2 apart
+        runs["tp2_cp2"] = train_run(cfg, tmp_path / "tp2_cp2", *options, *TP, "--parallel.cp", "2", nproc=4)
     same_curves(one, runs, (*KEYS, "moe/seq_aux_loss", "moe/bias/abs_mean"), 4)
     # Emulated tensorwise float8: every scale is the whole tensor's, as in one process, so the first step agrees to
     # fp32 precision (a weight scaled per TP part moved it by 2e-5). Later steps start from weights that differ in
