@@ -90,7 +90,12 @@ def test_export_loads_in_transformers_with_equal_logits(arch: LlamaArch | Qwen3A
     assert hf.config.bos_token_id == 1 and hf.config.eos_token_id == 2 and hf.config.pad_token_id == 0
 
 
-@pytest.mark.parametrize("arch", [tiny_llama(rope_theta=5000.0), tiny_qwen3()], ids=["llama", "qwen3"])
+@pytest.mark.parametrize(
+    "arch",
+    [tiny_llama(rope_theta=5000.0), tiny_qwen3(),
+     tiny_llama(rope_scaling={"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64})],
+    ids=["llama", "qwen3", "llama3-scaling"],
+)  # fmt: skip
 def test_config_has_the_keys_transformers_writes(arch: LlamaArch | Qwen3Arch, tmp_path: Path) -> None:
     ours = arch_to_hf_config(arch, VOCAB, bos_id=1, eos_id=2, pad_id=None, dtype="bfloat16")
     (tmp_path / "config.json").write_text(json.dumps(ours))
@@ -98,8 +103,11 @@ def test_config_has_the_keys_transformers_writes(arch: LlamaArch | Qwen3Arch, tm
     hf_config.save_pretrained(tmp_path / "resaved")
     theirs = json.loads((tmp_path / "resaved" / "config.json").read_text())
     theirs.pop("transformers_version")
-    # The top-level rope_theta is for transformers 4, which reads no rope_parameters; 5 folds it into them.
-    assert {k: v for k, v in ours.items() if k != "rope_theta"} == theirs
+    # The top-level rope_theta and rope_scaling are for transformers 4, which reads no rope_parameters; 5 folds
+    # them into those.
+    assert {k: v for k, v in ours.items() if k not in ("rope_theta", "rope_scaling")} == theirs
+    assert ours.get("rope_scaling") == (None if arch.rope_scaling is None else
+                                        {k: v for k, v in ours["rope_parameters"].items() if k != "rope_theta"})
     assert ours["rope_theta"] == ours["rope_parameters"]["rope_theta"] == arch.rope_theta
 
 
@@ -237,8 +245,8 @@ def write_hf_config(folder: Path, arch: AnyArch | None = None, **changes: object
         ),
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
         ({"mlp_bias": True}, r"mlp_bias"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_scaling with rope_type 'yarn'"),
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, r"rope_parameters"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, r"rope_scaling with rope_type 'dynamic'"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, r"rope_scaling.factor(.|\n)*required"),
         ({"use_sliding_window": True, "sliding_window": 64}, r"use_sliding_window"),
         ({"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types 'sliding_attention' at layer 1"),
         ({"hidden_size": None}, r"required field\(s\) missing: hidden_size"),

@@ -306,7 +306,7 @@ def test_partial_rotary_turns_only_the_leading_channels() -> None:
     ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
     attn = model.model.layers[0].self_attn
     x = model.model.embed_tokens(ids[0])
-    cos, sin = rotary_cos_sin(torch.arange(12), model.arch.rotary_dim, model.arch.rope_theta, x.dtype)
+    cos, sin = rotary_cos_sin(torch.arange(12), model.arch, x.dtype)
     q, _, _ = attn.qkv(x, cos, sin)
     plain = attn.q_norm(attn.q_proj(x).view(12, 4, 16))
     assert torch.equal(q[..., 8:], plain[..., 8:]) and not torch.allclose(q[1:, :, :8], plain[1:, :, :8])
@@ -316,7 +316,7 @@ def test_compiled_block_equals_eager() -> None:
     model = _model(tiny_qwen3_moe(num_hidden_layers=1)).train()
     block = model.blocks[0]
     x = _x(24).requires_grad_()
-    cos, sin = rotary_cos_sin(torch.arange(24), 16, 1e6, torch.float32)
+    cos, sin = rotary_cos_sin(torch.arange(24), model.arch, torch.float32)
     mask = DocumentMask.from_doc_lens(torch.tensor([10, 14]), CPU)
     eager = block(x, cos, sin, mask)
     eager.square().sum().backward()

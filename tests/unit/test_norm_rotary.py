@@ -7,6 +7,7 @@ import torch
 
 from lmforge.model.norm import RMSNorm, RMSNormFunction
 from lmforge.model.rotary import RotaryFunction, apply_rotary, rotary_cos_sin
+from tests.conftest import tiny_llama
 
 
 def autograd_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,8 +80,13 @@ def test_rms_norm_without_weight_gradient() -> None:
     assert x.grad is not None and w.grad is None
 
 
-def test_rotary_gradients_pass_gradcheck() -> None:
-    cos, sin = rotary_cos_sin(torch.arange(6), 8, 100.0, torch.float64)
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}])
+def test_rotary_gradients_pass_gradcheck(scaling: dict[str, object] | None) -> None:
+    # YaRN scales both tables (a scaled rotation), which the hand-written backward must still transpose.
+    arch = tiny_llama(head_dim=8, rope_theta=100.0, rope_scaling=scaling)
+    cos, sin = rotary_cos_sin(torch.arange(6), arch, torch.float64)
+    if scaling:
+        assert (cos.square() + sin.square() - 1).abs().min() > 0.01  # the tables are scaled
     x = torch.randn(6, 3, 8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a: RotaryFunction.apply(a, cos[:, None], sin[:, None]), (x,))
 
@@ -89,7 +95,7 @@ def test_rotary_gradients_pass_gradcheck() -> None:
 def test_rotary_matches_autograd(rotary_dim: int) -> None:
     g = torch.Generator().manual_seed(3)
     positions = torch.cat([torch.arange(20), torch.arange(12)])  # two segments: positions restart
-    cos, sin = rotary_cos_sin(positions, rotary_dim, 10000.0, torch.float32)
+    cos, sin = rotary_cos_sin(positions, tiny_llama(head_dim=rotary_dim), torch.float32)
     x = torch.randn(32, 4, 32, generator=g)
     grad_out = torch.randn(32, 4, 32, generator=g)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()

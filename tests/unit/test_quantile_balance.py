@@ -173,7 +173,7 @@ def test_a_compiled_block_records_the_eager_histogram_and_a_new_range_does_not_r
     block = model.blocks[1]
     gate = model.moe_layers()[1].gate
     x = torch.randn(24, 64, generator=torch.Generator().manual_seed(8))
-    cos, sin = rotary_cos_sin(torch.arange(24), model.arch.rotary_dim, model.arch.rope_theta, torch.float32)
+    cos, sin = rotary_cos_sin(torch.arange(24), model.arch, torch.float32)
     mask = DocumentMask.from_doc_lens(torch.tensor([10, 14]), CPU)
     gate.start_recording(64, -0.3, 0.3)
     with torch.no_grad():

@@ -7,9 +7,11 @@ maps one to one onto the `config.json` of the exported model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from lmforge.config.rope import RopeScaling
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,11 @@ class _ArchBase(BaseModel):
     rope_theta: float = Field(default=10000.0, gt=0)
     """Base of the rotary position embedding frequencies."""
 
+    rope_scaling: RopeScaling | None = None
+    """Scaled RoPE frequencies for a context longer than the pretraining one (`linear`, `llama3` or `yarn`, with
+    transformers' fields); unset: plain RoPE. A `rope_parameters` table as transformers 5 writes it is accepted too:
+    its `rope_theta` sets the base and the rest this field."""
+
     rms_norm_eps: float = Field(default=1e-5, gt=0)
     """Epsilon of every RMSNorm."""
 
@@ -80,6 +87,37 @@ class _ArchBase(BaseModel):
 
     attention_bias: bool = False
     """Give the q/k/v/o projections a bias."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_rope_parameters(cls, data: Any) -> Any:
+        """`rope_parameters` (transformers 5's one table for the base, the partial factor and the scaling) into
+        the fields `rope_theta`, `partial_rotary_factor` and `rope_scaling`."""
+        if not isinstance(data, dict) or "rope_parameters" not in data:
+            return data
+        data = dict(data)
+        params = data.pop("rope_parameters")
+        if not isinstance(params, dict):
+            raise ValueError(f"rope_parameters must be a table, got {params!r}")
+        params = dict(params)
+        for key in ("rope_theta", "partial_rotary_factor"):
+            if key not in params:
+                continue
+            value = params.pop(key)
+            if key not in cls.model_fields and value == 1.0:
+                continue  # a whole-head rotation, which every family computes
+            if key in data and data[key] != value:
+                raise ValueError(f"rope_parameters.{key} {value} contradicts {key} {data[key]}")
+            data[key] = value
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            if set(params) - {"rope_type"}:
+                raise ValueError(f"rope_parameters of rope_type 'default' take no {', '.join(sorted(params))}")
+        elif "rope_scaling" in data:
+            raise ValueError("give the scaling in rope_scaling or in rope_parameters, not both")
+        else:
+            data["rope_scaling"] = params
+        return data
 
     @model_validator(mode="after")
     def _check_heads(self) -> _ArchBase:

@@ -276,15 +276,31 @@ def _field_rows(cls: type[BaseModel], section: str, prefix: str, skip: str | Non
     return rows
 
 
+def _shared_subsections(classes: list[type[BaseModel]]) -> list[tuple[str, str, type[BaseModel]]]:
+    """(name, docstring, class) of the sub-sections inside union variants: each must be in every variant, with one
+    class (as `rope_scaling` is in every architecture), so that it documents as one section whatever the tag."""
+    found: dict[str, set[type[BaseModel] | None]] = {}
+    docs: dict[str, str] = {}
+    for cls in classes:
+        for attr, info in cls.model_fields.items():
+            if _section_class(info.annotation) or _union_variants(info):
+                found.setdefault(attr, set()).add(_section_class(info.annotation))
+                docs[attr] = _one_line(info.description)
+    shared = []
+    for attr, subs in found.items():
+        sub = next(iter(subs))
+        if len(subs) != 1 or sub is None or not all(attr in cls.model_fields for cls in classes):
+            raise TypeError(f"{attr}: a sub-section inside union variants must be one section class in every variant")
+        shared.append((attr, docs[attr], sub))
+    return shared
+
+
 def _union_section(name: str, doc: str, classes: list[type[BaseModel]], disc: str | Discriminator) -> ConfigSection:
     tag = _tag_name(classes, disc)
     prefix = f"{name}."
     values = [get_args(c.model_fields[tag].annotation)[0] for c in classes]
     per_variant = [_field_rows(c, name, prefix, skip=tag) for c in classes]
-    for cls in classes:
-        nested = [a for a, i in cls.model_fields.items() if _section_class(i.annotation) or _union_variants(i)]
-        if nested:
-            raise TypeError(f"{cls.__name__}: sub-sections inside a union variant are not supported ({nested})")
+    _shared_subsections(classes)  # sub-sections are walked by the caller; here only checked
     first = per_variant[0]
     shared = [row for row in first if all(row in rows for rows in per_variant[1:])]
     tag_docs = [
@@ -312,6 +328,8 @@ def _walk(cls: type[BaseModel], name: str, doc: str) -> list[ConfigSection]:
         union = _union_variants(info)
         if union is not None:
             nested.append(_union_section(child, child_doc, *union))
+            for sub_name, sub_doc, sub in _shared_subsections(union[0]):
+                nested.extend(_walk(sub, f"{child}.{sub_name}", sub_doc))
         elif (sub := _section_class(info.annotation)) is not None:
             nested.extend(_walk(sub, child, child_doc))
     return [own, *nested]

@@ -2,11 +2,11 @@
 Qwen3-MoE model.
 
 `arch_to_hf_config` writes the keys `transformers` itself saves for `LlamaConfig` / `Qwen3Config` /
-`Glm4MoeConfig` / `Qwen3MoeConfig`, with the RoPE base (and GLM's partial rotary factor) both in
-`rope_parameters` (read by transformers 5) and at the top level (read by transformers 4). `read_hf_config` accepts
-only what the lmforge decoder computes exactly: SiLU MLPs without bias, plain RoPE (partial for GLM-4.5), full
-attention in every layer, ungrouped MoE routing and, for Qwen3-MoE, an MoE block in every layer. Anything else
-fails with the file and field at fault.
+`Glm4MoeConfig` / `Qwen3MoeConfig`, with the RoPE base (and GLM's partial rotary factor, and any RoPE scaling) both
+in `rope_parameters` (read by transformers 5) and at the top level (`rope_theta`, `rope_scaling`: read by
+transformers 4). `read_hf_config` accepts only what the lmforge decoder computes exactly: SiLU MLPs without bias,
+RoPE plain or scaled (`linear`, `llama3`, `yarn`; partial for GLM-4.5), full attention in every layer, ungrouped MoE
+routing and, for Qwen3-MoE, an MoE block in every layer. Anything else fails with the file and field at fault.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from lmforge.config.arch import AnyArch, Glm4MoeArch, LlamaArch, Qwen3Arch, Qwen3MoeArch
+from lmforge.config.rope import rope_fields_of
 
 CONFIG_NAME = "config.json"
 """File name of the model config inside an HF model folder."""
@@ -88,6 +89,7 @@ _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 _MOE_DEFAULTS[RESEARCH_MODEL_TYPE] = _MOE_DEFAULTS["glm4_moe"]
 _GLM_PARTIAL_ROTARY = 0.5  # transformers' Glm4MoeConfig default
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class HFModelError(ValueError):
@@ -140,7 +142,7 @@ def arch_to_hf_config(
         "head_dim": arch.dim_per_head,
         "max_position_embeddings": arch.max_position_embeddings,
         "rms_norm_eps": arch.rms_norm_eps,
-        "rope_parameters": {"rope_theta": arch.rope_theta, "rope_type": "default"},
+        "rope_parameters": _rope_parameters(arch),
         # transformers 4 reads only the top-level key and would silently fall back to its default base.
         "rope_theta": arch.rope_theta,
         "tie_word_embeddings": arch.tie_word_embeddings,
@@ -154,6 +156,8 @@ def arch_to_hf_config(
         "pad_token_id": pad_id,
         "dtype": dtype,
     }
+    if arch.rope_scaling is not None:
+        config["rope_scaling"] = arch.rope_scaling.hf_parameters()  # transformers 4's key for the scaling
     config.update(_family_keys(arch))
     if research:
         config.update({key: getattr(arch, key) for key in RESEARCH_KEYS})
@@ -184,15 +188,17 @@ def _family_keys(arch: AnyArch) -> dict[str, Any]:
         "n_group": arch.n_group,
         "topk_group": arch.topk_group,
         "use_qk_norm": arch.use_qk_norm,
-        "rope_parameters": {
-            "rope_theta": arch.rope_theta,
-            "rope_type": "default",
-            "partial_rotary_factor": arch.partial_rotary_factor,
-        },
+        "rope_parameters": {**_rope_parameters(arch), "partial_rotary_factor": arch.partial_rotary_factor},
         "partial_rotary_factor": arch.partial_rotary_factor,
         # lmforge trains no multi-token-prediction layers; the default (1) would announce weights that are absent.
         "num_nextn_predict_layers": 0,
     }
+
+
+def _rope_parameters(arch: AnyArch) -> dict[str, Any]:
+    """transformers 5's `rope_parameters`: the base with the scaling's keys (`rope_type` 'default' without)."""
+    scaling = arch.rope_scaling.hf_parameters() if arch.rope_scaling is not None else {"rope_type": "default"}
+    return {"rope_theta": arch.rope_theta, **scaling}
 
 
 def generation_config(bos_id: int | None, eos_id: int | None, pad_id: int | None) -> dict[str, Any]:
@@ -232,6 +238,7 @@ def read_hf_config(folder: Path) -> HFModelInfo:
     for key, default in defaults.items():
         fields[key] = raw[key] if raw.get(key) is not None else default
     fields["rope_theta"] = _rope_theta(raw, defaults["rope_theta"])
+    fields["rope_scaling"] = _rope_scaling(raw, fields["max_position_embeddings"])
     fields["num_key_value_heads"] = raw.get("num_key_value_heads")
     fields["tie_word_embeddings"] = raw.get("tie_word_embeddings", False)
     fields["attention_bias"] = raw.get("attention_bias", False)
@@ -285,17 +292,18 @@ def _check_supported(raw: dict[str, Any], path: Path) -> None:
         if not isinstance(rope, dict):
             raise HFModelError(f"{path}: {key} must be an object or null, got {rope!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
+        if rope_type not in _ROPE_TYPES:
             raise HFModelError(
-                f"{path}: {key} with rope_type {rope_type!r} is not supported; lmforge has plain RoPE only "
-                f"(rope_type 'default')"
+                f"{path}: {key} with rope_type {rope_type!r} is not supported; lmforge computes "
+                f"{', '.join(repr(kind) for kind in _ROPE_TYPES)}"
             )
-        # A scalar entry other than the base would change the frequencies; nested per-layer dicts are not plain RoPE.
-        # GLM-4.5 rotates part of each head, which lmforge computes; other families must rotate all of it.
-        extra = sorted(set(rope) - {"rope_type", "type", "rope_theta"})
+        # An entry the kind does not read would change the frequencies in a way lmforge does not compute; nested
+        # per-layer dicts are not one RoPE. GLM-4.5 rotates part of each head, other families all of it.
+        extra = sorted(set(rope) - {"rope_type", "type", "rope_theta"} - rope_fields_of(rope_type))
         partial_ok = glm or rope.get("partial_rotary_factor") == 1.0
         if extra and not (extra == ["partial_rotary_factor"] and partial_ok):
-            raise HFModelError(f"{path}: {key} field(s) {', '.join(extra)} are not supported; plain RoPE only")
+            raise HFModelError(f"{path}: {key} field(s) {', '.join(extra)} are not supported for rope_type "
+                               f"{rope_type!r}")  # fmt: skip
     if not glm and raw.get("partial_rotary_factor", 1.0) != 1.0:
         raise HFModelError(f"{path}: partial_rotary_factor {raw['partial_rotary_factor']!r} is not supported")
     if raw["model_type"] in ("qwen3", "qwen3_moe"):
@@ -308,6 +316,23 @@ def _check_supported(raw: dict[str, Any], path: Path) -> None:
                 f"{path}: layer_types {layer_types[windowed[0]]!r} at layer {windowed[0]} is not supported; "
                 f"lmforge has full attention only"
             )
+
+
+def _rope_scaling(raw: dict[str, Any], max_positions: int) -> dict[str, Any] | None:
+    """The RoPE scaling of an HF config as transformers 5 reads it: `rope_scaling` before `rope_parameters`, the
+    pretraining length from a top-level `original_max_position_embeddings`, else the scaling's own, else
+    `max_position_embeddings`; a YaRN factor left out is the ratio of the two lengths. None for plain RoPE."""
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None
+    fields = {key: rope[key] for key in rope_fields_of(rope_type) if rope.get(key) is not None}
+    if rope_type != "linear":
+        original = raw.get("original_max_position_embeddings") or fields.get("original_max_position_embeddings")
+        fields["original_max_position_embeddings"] = original or max_positions
+    if rope_type == "yarn" and "factor" not in fields:
+        fields["factor"] = max_positions / fields["original_max_position_embeddings"]
+    return {"rope_type": rope_type, **fields}
 
 
 def _rope_theta(raw: dict[str, Any], default: float) -> Any:

@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from lmforge.config.arch import ArchConfig
 from lmforge.config.base import Section
+from lmforge.config.rope import RopeScaling
 
 
 class InitConfig(Section):
@@ -105,6 +106,11 @@ class ModelConfig(Section):
     arch: ArchConfig | None = None
     """The architecture: `model_type` plus its fields (see docs/model.md). Required unless `name` is set, which
     fills it in from the folder's config.json."""
+
+    rope_scaling: RopeScaling | None = None
+    """With `name`: extend the pretrained model's context by this RoPE scaling (docs/model.md#rope-scaling). It
+    replaces the folder's scaling, and max_position_embeddings becomes the folder's x `factor`; the weights are
+    loaded unchanged. Unset: the folder's architecture as it is."""
 
     init: InitConfig = InitConfig()
     """From-scratch initialization (docs/model.md#from-scratch-init-modelinit)."""

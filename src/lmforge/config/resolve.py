@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmforge.config.arch import ArchConfig
+from lmforge.config.arch import AnyArch, ArchConfig
 from lmforge.config.checks import check_config
 from lmforge.config.hf_config import HFModelError, read_hf_config
 from lmforge.config.loader import ConfigError, RawConfig, compose, validate
+from lmforge.config.rope import RopeScaling
 from lmforge.config.train import TrainConfig
 
 
@@ -30,11 +31,23 @@ def _effective(arch: ArchConfig) -> dict[str, object]:
     return {**arch.model_dump(), "head_dim": arch.dim_per_head, "num_key_value_heads": arch.kv_heads}
 
 
+def extend_context(arch: AnyArch, scaling: RopeScaling) -> AnyArch:
+    """`arch` with `scaling` in place of its own RoPE scaling and max_position_embeddings times `scaling.factor`:
+    the same weights, read at a longer context."""
+    longer = int(arch.max_position_embeddings * scaling.factor)
+    return arch.model_copy(update={"rope_scaling": scaling, "max_position_embeddings": longer})
+
+
 def resolve_pretrained(config: TrainConfig, raw: RawConfig | None = None) -> None:
     """Fill `model.arch` (and, by default, `tokenizer.name`) from the HF folder that `model.name` names."""
     model = config.model
     src = (raw.source_of("model.name") if raw is not None else None) or "the defaults"
     if model.name is None:
+        if model.rope_scaling is not None:
+            raise ConfigError(
+                "invalid config:\n  model.rope_scaling: extends a pretrained model (model.name); a model trained "
+                "from scratch sets its scaling in [model.arch.rope_scaling]"
+            )
         if model.arch is None:
             raise ConfigError(
                 "invalid config:\n  model.arch: required section [model.arch] is missing (or set model.name to a "
@@ -45,14 +58,15 @@ def resolve_pretrained(config: TrainConfig, raw: RawConfig | None = None) -> Non
         info = read_hf_config(Path(model.name))
     except HFModelError as e:
         raise ConfigError(f"invalid config:\n  model.name (from {src}): {e}") from None
-    if model.arch is not None and _effective(model.arch) != _effective(info.arch):
-        mine, theirs = _effective(model.arch), _effective(info.arch)
+    expected = info.arch if model.rope_scaling is None else extend_context(info.arch, model.rope_scaling)
+    if model.arch is not None and _effective(model.arch) != _effective(expected):
+        mine, theirs = _effective(model.arch), _effective(expected)
         diff = ", ".join(f"{k}: {mine.get(k)!r} here vs {theirs.get(k)!r}" for k in sorted(mine | theirs)
                          if mine.get(k) != theirs.get(k))  # fmt: skip
         raise ConfigError(
             f"invalid config:\n  model.arch (from {raw.source_of('model.arch') if raw else None}): differs from "
             f"{model.name}/config.json ({diff}); leave [model.arch] out when model.name is set"
         )
-    model.arch = info.arch
+    model.arch = expected
     if config.tokenizer.name is None and (Path(model.name) / "tokenizer.json").is_file():
         config.tokenizer.name = model.name

@@ -104,7 +104,7 @@ def forward_with_cache(model: CausalLM, input_ids: Tensor, cache: KVCache) -> Te
     arch = model.arch
     x = decoder.embed_tokens(input_ids)
     positions = torch.arange(start, start + t, device=x.device)
-    cos, sin = rotary_cos_sin(positions, arch.rotary_dim, arch.rope_theta, x.dtype)
+    cos, sin = rotary_cos_sin(positions, arch, x.dtype)
     rate = stream_rate(arch)
     if rate:
         x = expand_stream(x, rate)

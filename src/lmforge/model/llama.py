@@ -165,7 +165,7 @@ class DecoderModel(nn.Module):
         if mask.total != x.shape[0] * self.row_split:
             raise ValueError(f"doc_lens add up to {mask.total}, which is not the {x.shape[0]} tokens of this row"
                              + ("" if self.row_split == 1 else f" x cp {self.row_split}"))  # fmt: skip
-        cos, sin = rotary_cos_sin(position_ids, self.arch.rotary_dim, self.arch.rope_theta, x.dtype)
+        cos, sin = rotary_cos_sin(position_ids, self.arch, x.dtype)
         prepare_mask(self.attention, mask)
         rate = stream_rate(self.arch)
         if rate:

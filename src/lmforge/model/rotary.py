@@ -5,7 +5,8 @@ A head's channels are two halves (x1, x2) turned by the angle of the token's pos
 runs the slices' backward (zero-filled copies) and a concatenation's; but the rotation is orthogonal, so its
 gradient is the same rotation by the opposite angle, `grad_x = g * cos - rotate_half(g) * sin`, which
 `RotaryFunction` computes in the forward's three passes. That identity needs cos and sin equal on both halves, which
-`rotary_cos_sin` guarantees (its tables are the frequencies twice over).
+`rotary_cos_sin` guarantees (its tables are the frequencies twice over). YaRN scales both tables by one factor,
+which leaves the identity intact: the transpose of a scaled rotation is the opposite rotation scaled alike.
 """
 
 from __future__ import annotations
@@ -15,17 +16,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lmforge.config.arch import AnyArch
+from lmforge.model.rope_scaling import rotary_frequencies
 
-def rotary_cos_sin(position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and sin tables [T, head_dim] for the given positions (HF's half-split layout, computed in fp32).
 
-    With partial RoPE, pass the rotary width (`arch.rotary_dim`) as head_dim: the frequencies depend on it."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.int64).float() / head_dim)
-    )
+def rotary_cos_sin(position_ids: Tensor, arch: AnyArch, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin tables [T, arch.rotary_dim] for the given positions (HF's half-split layout, computed in fp32),
+    with the architecture's RoPE scaling (and, for YaRN, its attention factor on both tables)."""
+    inv_freq, attention_factor = rotary_frequencies(arch, position_ids.device)
     freqs = position_ids.reshape(-1).float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.to(dtype), sin.to(dtype)
 
 
 def _turn(x: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Tensor:

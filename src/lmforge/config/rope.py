@@ -1,0 +1,106 @@
+"""RoPE scaling: the `[model.arch.rope_scaling]` table, which stretches the rotary frequencies so that a model trained
+at one context length works at a longer one.
+
+The three kinds are those of transformers' `rope_parameters` (and the older `rope_scaling`), with its field names
+and defaults, so a scaled model exports to a `config.json` transformers computes the same frequencies from:
+
+- `linear`: every frequency divided by `factor` (position interpolation);
+- `llama3`: Llama 3.1's rule: long wavelengths divided by `factor`, short ones kept, a smooth ramp in between;
+- `yarn`: YaRN's per-frequency blend of interpolation and extrapolation, with cos and sin scaled by an attention
+  factor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+RopeType = Literal["linear", "llama3", "yarn"]
+"""The RoPE scaling kinds lmforge computes."""
+
+_FIELDS_OF: dict[str, frozenset[str]] = {
+    "linear": frozenset({"factor"}),
+    "llama3": frozenset({"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"}),
+    "yarn": frozenset(
+        {
+            "factor",
+            "original_max_position_embeddings",
+            "attention_factor",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        }
+    ),
+}
+
+
+class RopeScaling(BaseModel):
+    """How the rotary frequencies are scaled for a context longer than the one the model was trained at."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True, allow_inf_nan=False)
+
+    rope_type: RopeType
+    """`linear` (position interpolation), `llama3` (Llama 3.1's frequency-dependent rule) or `yarn` (YaRN)."""
+
+    factor: float = Field(ge=1)
+    """How many times longer the new context is than the original one."""
+
+    original_max_position_embeddings: int | None = Field(default=None, gt=0)
+    """The context length the model was trained at before scaling (required for `llama3` and `yarn`)."""
+
+    low_freq_factor: float = Field(default=1.0, gt=0)
+    """`llama3`: wavelengths above original_max_position_embeddings / low_freq_factor are divided by `factor`."""
+
+    high_freq_factor: float = Field(default=4.0, gt=0)
+    """`llama3`: wavelengths below original_max_position_embeddings / high_freq_factor are kept as they are."""
+
+    beta_fast: float = Field(default=32.0, gt=0)
+    """`yarn`: frequencies turning more than this many times over the original context are extrapolated (kept)."""
+
+    beta_slow: float = Field(default=1.0, gt=0)
+    """`yarn`: frequencies turning fewer than this many times over the original context are interpolated."""
+
+    attention_factor: float | None = Field(default=None, gt=0)
+    """`yarn`: the factor on cos and sin (so on the attention logits' rotary part); unset: 0.1 ln(factor) + 1, or
+    from `mscale` / `mscale_all_dim` when both are set."""
+
+    mscale: float | None = Field(default=None, gt=0)
+    """`yarn`: with mscale_all_dim, attention_factor = (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor)
+    + 1), as DeepSeek's configs set it."""
+
+    mscale_all_dim: float | None = Field(default=None, gt=0)
+    """`yarn`: see `mscale`."""
+
+    truncate: bool = True
+    """`yarn`: round the boundaries of the interpolation ramp to whole dimensions (transformers' default)."""
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> RopeScaling:
+        allowed = _FIELDS_OF[self.rope_type] | {"rope_type"}
+        stray = sorted(self.model_fields_set - allowed)
+        if stray:
+            raise ValueError(f"rope_scaling field(s) {', '.join(stray)} do not apply to rope_type {self.rope_type!r}")
+        if self.rope_type != "linear" and self.original_max_position_embeddings is None:
+            raise ValueError(f"rope_scaling.original_max_position_embeddings is required for {self.rope_type!r}")
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"rope_scaling.high_freq_factor {self.high_freq_factor} must exceed low_freq_factor "
+                f"{self.low_freq_factor}"
+            )
+        if self.rope_type == "yarn" and self.beta_fast < self.beta_slow:
+            raise ValueError(f"rope_scaling.beta_fast {self.beta_fast} must be at least beta_slow {self.beta_slow}")
+        return self
+
+    def hf_parameters(self) -> dict[str, Any]:
+        """The keys transformers reads for this kind (its `rope_parameters` less the base), every one explicit."""
+        keys = sorted(_FIELDS_OF[self.rope_type])
+        values = {key: getattr(self, key) for key in keys}
+        return {"rope_type": self.rope_type, **{key: value for key, value in values.items() if value is not None}}
+
+
+def rope_fields_of(rope_type: str) -> frozenset[str]:
+    """The fields (besides `rope_type`) a scaling kind reads; empty for a kind lmforge does not compute."""
+    return _FIELDS_OF.get(rope_type, frozenset())
