@@ -88,14 +88,18 @@ def _reference() -> dict[str, list[float]]:
 
 
 def bottom_right_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                       max_q: int, max_k: int) -> torch.Tensor:  # fmt: skip
+                       max_q: int, max_k: int, window: int | None = None) -> torch.Tensor:  # fmt: skip
     """What the CUDA varlen kernels compute (flash attention's semantics), on the CPU: causal attention per packed
-    sequence, a query sequence shorter than its keys aligned to their end."""
+    sequence, a query sequence shorter than its keys aligned to their end, with a left window of window - 1 keys
+    (counted from that aligned place)."""
     outs = []
     for i in range(len(cu_q) - 1):
         qs, ks, vs = q[cu_q[i] : cu_q[i + 1]], k[cu_k[i] : cu_k[i + 1]], v[cu_k[i] : cu_k[i + 1]]
         assert len(qs) <= max_q and len(ks) <= max_k
-        allowed = torch.arange(len(ks))[None, :] <= torch.arange(len(qs))[:, None] + (len(ks) - len(qs))
+        place = torch.arange(len(qs))[:, None] + (len(ks) - len(qs))
+        allowed = torch.arange(len(ks))[None, :] <= place
+        if window is not None:
+            allowed &= torch.arange(len(ks))[None, :] > place - window
         qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (qs, ks, vs))
         out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, enable_gqa=True)
         outs.append(out.squeeze(0).transpose(0, 1))
@@ -164,7 +168,8 @@ def test_each_bad_layout_has_its_message() -> None:
     }  # the sequence-wise balance loss runs under CP (its choices summed over the row's ranks)
 
 
-def _kernel_check(kernel: str, device: str, dtype: torch.dtype, atol: float, backward: bool) -> None:
+def _kernel_check(kernel: str, device: str, dtype: torch.dtype, atol: float, backward: bool,
+                  window: int | None = None) -> None:  # fmt: skip
     """Every rank's part of CP attention, computed in one process from the keys and values its group would gather,
     against document-masked attention over the whole row: outputs, the queries' gradients, and the keys' and
     values' gradients summed over the ranks."""
@@ -174,7 +179,7 @@ def _kernel_check(kernel: str, device: str, dtype: torch.dtype, atol: float, bac
     q, k, v, grad = (x.to(dev, dtype) for x in _inputs())
     ref_in = [x.clone().requires_grad_(backward) for x in (q, k, v)]
     mask = DocumentMask.from_doc_lens(torch.tensor(DOC_LENS), dev)
-    ref = sdpa_attention(*ref_in, mask)
+    ref = sdpa_attention(*ref_in, mask, window)
     if backward:
         ref.backward(grad)
     for size in (2, 4):
@@ -185,7 +190,7 @@ def _kernel_check(kernel: str, device: str, dtype: torch.dtype, atol: float, bac
             local_q = q[index].clone().requires_grad_(backward)
             kv = torch.cat([k, v], dim=1)[gathered].clone().requires_grad_(backward)
             part = DocumentMask.from_doc_lens(torch.tensor(DOC_LENS), dev)
-            out = attend_gathered(local_q, kv, HKV, part, shard)
+            out = attend_gathered(local_q, kv, HKV, part, shard, window)
             torch.testing.assert_close(out.float(), ref[index].float(), atol=atol, rtol=0)
             if backward:
                 out.backward(grad[index])
@@ -196,21 +201,24 @@ def _kernel_check(kernel: str, device: str, dtype: torch.dtype, atol: float, bac
             torch.testing.assert_close(dkv[:, HKV:], ref_in[2].grad.to(dkv.dtype), atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("window", [None, 1, 6], ids=["full", "window1", "window6"])
 @pytest.mark.parametrize("kernel", ["sdpa", "varlen", "flex"])
-def test_each_ranks_part_on_the_cpu(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_ranks_part_on_the_cpu(kernel: str, window: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A window of 6 keys: documents (20, 14, 12, 9 tokens) longer and shorter than it, across chunks and ranks.
     import lmforge.parallel.context as context
 
     monkeypatch.setattr(context, "varlen_call", bottom_right_varlen)  # the CUDA kernel's semantics, on the CPU
-    _kernel_check(kernel, "cpu", torch.float64, atol=1e-10, backward=kernel != "flex")
+    _kernel_check(kernel, "cpu", torch.float64, atol=1e-10, backward=kernel != "flex", window=window)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["sdpa", "flex", "varlen", "flash"])
-def test_each_ranks_part_on_cuda_bf16(kernel: str) -> None:
+@pytest.mark.parametrize("window", [None, 6], ids=["full", "window6"])
+def test_each_ranks_part_on_cuda_bf16(kernel: str, window: int | None) -> None:
     """The CUDA kernels themselves under the CP layout (flex's block mask, the varlen kernels' bottom-right
-    alignment over packed pieces)."""
+    alignment over packed pieces, and their window arguments)."""
     from lmforge.model.attention import backend_available
 
     if not backend_available(kernel, torch.device("cuda")):
         pytest.skip(f"{kernel} not available here")
-    _kernel_check(kernel, "cuda", torch.bfloat16, atol=2e-2, backward=True)
+    _kernel_check(kernel, "cuda", torch.bfloat16, atol=2e-2, backward=True, window=window)

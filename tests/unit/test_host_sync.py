@@ -35,7 +35,7 @@ from lmforge.parallel.process_group import DistContext, init_distributed
 from lmforge.train.callbacks.validation import Validation
 from lmforge.train.trainer import Trainer
 from tests.chat import chat_tokenizer, conversation, write_jsonl
-from tests.conftest import require, tiny_llama
+from tests.conftest import require, tiny_llama, tiny_qwen3
 from tests.host_sync import HostSyncDetector, checked
 from tests.shards import random_docs, word_tokenizer, write_shard
 from tests.spawn import free_port, join_as_rank, run_ranks
@@ -219,6 +219,16 @@ CASES: dict[str, Any] = {
         "model": {"arch": tiny_glm(router_bias_on_logits=True).model_dump(), "moe_balance": {"rule": "quantile"}}
     },
     "adamw": lambda tmp: {"optim": {"type": "adamw", "lr": 1e-3}},
+    "windows-yarn": lambda tmp: {
+        "model": {
+            "arch": tiny_qwen3(
+                use_sliding_window=True,
+                sliding_window=4,
+                layer_types=("sliding_attention", "full_attention"),
+                rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+            ).model_dump()
+        }
+    },
     "fp8-emulated": lambda tmp: {
         "model": {"arch": tiny_llama().model_dump(), "fp8": "tensorwise", "fp8_emulate": True}
     },

@@ -111,20 +111,25 @@ def test_export_gives_transformers_logits_and_reads_back(arch: AnyArch, name: st
     assert read_hf_config(tmp_path).arch == arch.model_copy(update={"head_dim": arch.dim_per_head})
 
 
-def test_greedy_generation_equals_transformers_with_yarn(tmp_path: Path, one_thread: object) -> None:
-    model = _lmforge(tiny_qwen3(rope_theta=300.0, rope_scaling=YARN))
+def assert_greedy_equals_export(arch: AnyArch, folder: Path, new_tokens: int) -> None:
+    """Greedy tokens of lmforge's KV-cached generation equal transformers' on the exported model."""
+    model = _lmforge(arch)
     with torch.no_grad():
         for param in model.parameters():
             param.mul_(4)  # larger weights: a continuation that is not one token repeated
-    _export(model, tmp_path)
-    hf = _from_pretrained(tmp_path)
+    _export(model, folder)
+    hf = _from_pretrained(folder)
     prompt = _ids(seed=1, t=8)
-    ours = list(generate(model, prompt[0].tolist(), 30, temperature=0.0, eos_id=None))
-    out = hf.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=30,
-                      min_new_tokens=30, eos_token_id=None, pad_token_id=0,
+    ours = list(generate(model, prompt[0].tolist(), new_tokens, temperature=0.0, eos_id=None))
+    out = hf.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                      max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0,
                       generation_config=transformers.GenerationConfig())  # fmt: skip
     assert len(set(ours)) > 1, "degenerate continuation: the comparison would prove little"
     assert ours == out[0, 8:].tolist()
+
+
+def test_greedy_generation_equals_transformers_with_yarn(tmp_path: Path, one_thread: object) -> None:
+    assert_greedy_equals_export(tiny_qwen3(rope_theta=300.0, rope_scaling=YARN), tmp_path, 30)
 
 
 def _write(folder: Path, **changes: object) -> Path:
@@ -186,6 +191,8 @@ def test_toml_tables_and_their_errors() -> None:
                      rope_parameters={"rope_theta": 5e5, "rope_type": "yarn", "factor": 4.0,
                                       "original_max_position_embeddings": 4096})  # fmt: skip
     assert same.rope_theta == 5e5 and same.rope_scaling == arch.rope_scaling
+    # A dump of the whole table (as a run's config.toml holds it) validates again: other kinds' fields at defaults.
+    assert LlamaArch(**arch.model_dump()) == arch
     bad = [
         ({"rope_type": "linear", "factor": 2.0, "mscale": 1.0}, r"mscale do not apply to rope_type 'linear'"),
         ({"rope_type": "yarn", "factor": 2.0}, r"original_max_position_embeddings is required for 'yarn'"),

@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lmforge.config.rope import RopeScaling
 
+LayerType = Literal["full_attention", "sliding_attention"]
+"""The attention of one decoder block, as transformers' `layer_types` name it."""
+
 
 @dataclass(frozen=True)
 class MoESpec:
@@ -172,6 +175,10 @@ class _ArchBase(BaseModel):
         """Whether decoder block `index` has the MoE block instead of the dense MLP."""
         return False
 
+    def attention_window(self, index: int) -> int | None:
+        """The sliding window of decoder block `index` (keys per query, itself included), None for full attention."""
+        return None
+
 
 class LlamaArch(_ArchBase):
     """A Llama decoder (`LlamaForCausalLM`)."""
@@ -192,10 +199,49 @@ class Qwen3Arch(_ArchBase):
     rope_theta: float = Field(default=1_000_000.0, gt=0)
     """Base of the rotary position embedding frequencies."""
 
+    use_sliding_window: bool = False
+    """Give the blocks that `layer_types` marks `sliding_attention` a sliding window of `sliding_window` keys
+    (transformers' switch; off: every block attends to the whole document)."""
+
+    sliding_window: int = Field(default=4096, gt=0)
+    """Keys a query of a sliding-window block attends to: itself and the sliding_window - 1 tokens before it, within
+    its document."""
+
+    max_window_layers: int = Field(default=28, ge=0)
+    """With use_sliding_window and no layer_types: the blocks from this index on have the sliding window
+    (transformers' rule)."""
+
+    layer_types: tuple[LayerType, ...] | None = None
+    """Each block's attention, `full_attention` or `sliding_attention` (with use_sliding_window); unset: from
+    max_window_layers."""
+
+    @model_validator(mode="after")
+    def _check_windows(self) -> Qwen3Arch:
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries for num_hidden_layers {self.num_hidden_layers}"
+                )
+            if "sliding_attention" in self.layer_types and not self.use_sliding_window:
+                raise ValueError("layer_types marks sliding_attention blocks but use_sliding_window is false")
+        return self
+
     @property
     def qk_norm(self) -> bool:
         """Qwen3 always normalizes queries and keys per head."""
         return True
+
+    @property
+    def block_attention(self) -> list[LayerType]:
+        """Each block's attention: layer_types, else transformers' rule (sliding from max_window_layers on)."""
+        if self.layer_types is not None:
+            return list(self.layer_types)
+        return ["sliding_attention" if self.use_sliding_window and i >= self.max_window_layers else "full_attention"
+                for i in range(self.num_hidden_layers)]  # fmt: skip
+
+    def attention_window(self, index: int) -> int | None:
+        """sliding_window for a `sliding_attention` block, else None."""
+        return self.sliding_window if self.block_attention[index] == "sliding_attention" else None
 
 
 class Glm4MoeArch(_ArchBase):
@@ -410,6 +456,13 @@ class Qwen3MoeArch(_ArchBase):
     mlp_only_layers: tuple[int, ...] = ()
     """Blocks with a dense MLP instead of the MoE block; only none is supported."""
 
+    use_sliding_window: bool = False
+    """Give every block a sliding window of `sliding_window` keys (transformers' Qwen3-MoE windows all of them)."""
+
+    sliding_window: int = Field(default=4096, gt=0)
+    """Keys a query attends to with use_sliding_window: itself and the sliding_window - 1 tokens before it, within
+    its document."""
+
     @model_validator(mode="after")
     def _check_moe(self) -> Qwen3MoeArch:
         if self.decoder_sparse_step != 1 or self.mlp_only_layers:
@@ -444,6 +497,10 @@ class Qwen3MoeArch(_ArchBase):
     def is_moe_layer(self, index: int) -> bool:
         """Every block."""
         return True
+
+    def attention_window(self, index: int) -> int | None:
+        """sliding_window in every block with use_sliding_window, else None."""
+        return self.sliding_window if self.use_sliding_window else None
 
 
 AnyArch = LlamaArch | Qwen3Arch | Glm4MoeArch | Qwen3MoeArch

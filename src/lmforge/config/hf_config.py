@@ -169,16 +169,18 @@ def _family_keys(arch: AnyArch) -> dict[str, Any]:
     if isinstance(arch, LlamaArch):
         return {"mlp_bias": False, "pretraining_tp": 1}
     if isinstance(arch, Qwen3Arch):
-        layers = arch.num_hidden_layers
-        return {"mlp_bias": False, "use_sliding_window": False, "sliding_window": None, "max_window_layers": layers,
-                "layer_types": ["full_attention"] * layers}  # fmt: skip
+        # transformers sets sliding_window to None without use_sliding_window, and saves it so.
+        return {"mlp_bias": False, "use_sliding_window": arch.use_sliding_window,
+                "sliding_window": arch.sliding_window if arch.use_sliding_window else None,
+                "max_window_layers": arch.max_window_layers, "layer_types": arch.block_attention}  # fmt: skip
     moe = {"moe_intermediate_size": arch.moe_intermediate_size, "num_experts_per_tok": arch.num_experts_per_tok,
            "norm_topk_prob": arch.norm_topk_prob, "output_router_logits": False}  # fmt: skip
     if isinstance(arch, Qwen3MoeArch):
         # `num_experts` is the name Qwen's checkpoints and transformers 4 use; transformers 5 maps it.
         return {**moe, "num_experts": arch.num_experts, "decoder_sparse_step": arch.decoder_sparse_step,
                 "mlp_only_layers": list(arch.mlp_only_layers), "router_aux_loss_coef": 0.001,
-                "use_sliding_window": False, "sliding_window": None}  # fmt: skip
+                "use_sliding_window": arch.use_sliding_window,
+                "sliding_window": arch.sliding_window if arch.use_sliding_window else None}  # fmt: skip
     return {
         **moe,
         "n_routed_experts": arch.n_routed_experts,
@@ -270,10 +272,28 @@ def _moe_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
         fields["num_experts"] = raw["num_local_experts"]  # transformers 5 saves the attribute-mapped name
     if model_type == RESEARCH_MODEL_TYPE:
         fields.update({key: raw[key] for key in RESEARCH_KEYS if raw.get(key) is not None})
+    if model_type in ("qwen3", "qwen3_moe"):
+        fields.update(_window_fields(raw, model_type))
     if model_type in _GLM_TYPES:
         rope = raw.get("rope_parameters") or {}
         factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
         fields["partial_rotary_factor"] = _GLM_PARTIAL_ROTARY if factor is None else factor
+    return fields
+
+
+def _window_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The sliding-window fields of a Qwen3 / Qwen3-MoE config (transformers' defaults for absent ones). Without
+    use_sliding_window the others change nothing (every block attends fully) and are left at their defaults."""
+    if not raw.get("use_sliding_window"):
+        return {"use_sliding_window": False}
+    fields: dict[str, Any] = {"use_sliding_window": True}
+    if raw.get("sliding_window") is not None:
+        fields["sliding_window"] = raw["sliding_window"]
+    if model_type == "qwen3":
+        if raw.get("max_window_layers") is not None:
+            fields["max_window_layers"] = raw["max_window_layers"]
+        if raw.get("layer_types") is not None:
+            fields["layer_types"] = tuple(raw["layer_types"])
     return fields
 
 
@@ -307,14 +327,21 @@ def _check_supported(raw: dict[str, Any], path: Path) -> None:
     if not glm and raw.get("partial_rotary_factor", 1.0) != 1.0:
         raise HFModelError(f"{path}: partial_rotary_factor {raw['partial_rotary_factor']!r} is not supported")
     if raw["model_type"] in ("qwen3", "qwen3_moe"):
-        if raw.get("use_sliding_window"):
-            raise HFModelError(f"{path}: use_sliding_window true is not supported; lmforge attends to the full row")
+        if raw.get("use_sliding_window") and not raw.get("sliding_window"):
+            window = raw.get("sliding_window")
+            raise HFModelError(f"{path}: use_sliding_window is true but sliding_window is {window!r}")
         layer_types = raw.get("layer_types") or []
-        windowed = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
-        if windowed:
+        odd = [i for i, kind in enumerate(layer_types) if kind not in ("full_attention", "sliding_attention")]
+        if odd:
             raise HFModelError(
-                f"{path}: layer_types {layer_types[windowed[0]]!r} at layer {windowed[0]} is not supported; "
-                f"lmforge has full attention only"
+                f"{path}: layer_types {layer_types[odd[0]]!r} at layer {odd[0]} is not supported; lmforge has "
+                f"full_attention and sliding_attention"
+            )
+        windowed = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+        if windowed and not raw.get("use_sliding_window"):
+            # transformers gives such blocks no window; lmforge will not guess what was meant.
+            raise HFModelError(
+                f"{path}: layer_types marks layer {windowed[0]} sliding_attention but use_sliding_window is false"
             )
 
 

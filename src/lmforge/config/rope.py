@@ -80,7 +80,10 @@ class RopeScaling(BaseModel):
     @model_validator(mode="after")
     def _check_kind(self) -> RopeScaling:
         allowed = _FIELDS_OF[self.rope_type] | {"rope_type"}
-        stray = sorted(self.model_fields_set - allowed)
+        # A field another kind reads is an error when it is given a value of its own; at its default it is what a
+        # dump of the whole table (a run's config.toml) writes, and harmless.
+        fields = type(self).model_fields
+        stray = sorted(f for f in fields if f not in allowed and getattr(self, f) != fields[f].default)
         if stray:
             raise ValueError(f"rope_scaling field(s) {', '.join(stray)} do not apply to rope_type {self.rope_type!r}")
         if self.rope_type != "linear" and self.original_max_position_embeddings is None:

@@ -14,6 +14,11 @@ micro-batch's `doc_lens`, and the same `[T, heads, head_dim]` tensors:
 (`choose_backend`): the choice reads only the row's segment lengths, which are on the host, so it costs no device
 synchronization. Plain causal SDPA over the whole row would let a segment see the one before it, so it is only
 used per segment.
+
+A layer may have a sliding window (`arch.attention_window`): each query then attends only the `window` keys ending
+at itself, within its segment (a window never reaches across a segment's start). Every backend takes it: as a band
+in its mask (`sdpa`, `flex`, and `sdpa_loop` for segments longer than the window), or as the kernel's window
+argument (`flash`, `varlen`).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lmforge.model.cpu_attention import cpu_segment_attention, equal_length_runs
+from lmforge.model.cpu_attention import band_bias, cpu_segment_attention, equal_length_runs
 
 BACKENDS = ("flash", "varlen", "flex", "sdpa", "sdpa_loop")
 """Names accepted by `model.attn`, besides `auto`."""
@@ -84,8 +89,9 @@ class DocumentMask:
         return int(self.doc_ids.numel())
 
 
-AttentionFn = Callable[[Tensor, Tensor, Tensor, DocumentMask], Tensor]
-"""q [T, Hq, D], k and v [T, Hkv, D], mask -> output [T, Hq, D]."""
+AttentionFn = Callable[[Tensor, Tensor, Tensor, DocumentMask, int | None], Tensor]
+"""q [T, Hq, D], k and v [T, Hkv, D], the row's mask and the layer's sliding window (None: full causal attention)
+-> output [T, Hq, D]."""
 
 
 def _to_bhtd(x: Tensor) -> Tensor:
@@ -96,21 +102,35 @@ def _from_bhtd(x: Tensor) -> Tensor:
     return x.squeeze(0).transpose(0, 1)
 
 
-def dense_document_mask(mask: DocumentMask) -> Tensor:
-    """Boolean [T, T] mask: True where query i may attend to key j (same segment, j <= i)."""
-    dense = mask.cache.get("dense")
+def window_allows(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor | bool:
+    """Whether key row position k_pos is within the sliding window of query row position q_pos (broadcast; True
+    without a window). Together with "same segment, not after the query" it is the windowed document mask."""
+    return True if window is None else (q_pos - k_pos) < window
+
+
+def dense_document_mask(mask: DocumentMask, window: int | None = None) -> Tensor:
+    """Boolean [T, T] mask: True where query i may attend to key j (same segment, j <= i, i - j < window)."""
+    key = f"dense:{window}"
+    dense = mask.cache.get(key)
     if dense is None:
         ids = mask.doc_ids
         same = ids[:, None] == ids[None, :]
         dense = torch.tril(same)
-        mask.cache["dense"] = dense
+        if window is not None:
+            pos = torch.arange(mask.total, device=ids.device)
+            dense = dense & window_allows(pos[:, None], pos[None, :], window)
+        mask.cache[key] = dense
     return dense  # type: ignore[return-value]
 
 
-def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
-    """SDPA with an explicit block-diagonal causal mask."""
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, window: int | None = None) -> Tensor:
+    """SDPA with an explicit block-diagonal causal mask (banded with a window)."""
     out = F.scaled_dot_product_attention(
-        _to_bhtd(q), _to_bhtd(k), _to_bhtd(v), attn_mask=dense_document_mask(mask), enable_gqa=q.shape[1] != k.shape[1]
+        _to_bhtd(q),
+        _to_bhtd(k),
+        _to_bhtd(v),
+        attn_mask=dense_document_mask(mask, window),
+        enable_gqa=q.shape[1] != k.shape[1],
     )
     return _from_bhtd(out)
 
@@ -118,19 +138,23 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tenso
 # Compiled blocks run the per-row choice and the per-segment loop eagerly, between two compiled graphs: traced,
 # the loop over a row's segments would make every new layout recompile (tests/unit/test_compile.py).
 @torch.compiler.disable
-def sdpa_loop_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
+def sdpa_loop_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, window: int | None = None) -> Tensor:
     """Causal SDPA per segment; consecutive segments of one length go in one batched call (a row of whole
     windows, the layout without document masking, is a single call). On the CPU, the flash kernel's calls with a
-    backward of their own (`lmforge.model.cpu_attention`)."""
+    backward of their own (`lmforge.model.cpu_attention`). Segments longer than the window get a band mask."""
     if q.device.type == "cpu":
-        return cpu_segment_attention(q, k, v, mask.doc_lens)
+        return cpu_segment_attention(q, k, v, mask.doc_lens, window)
     gqa = q.shape[1] != k.shape[1]
     outs, start = [], 0
     for length, count in equal_length_runs(mask.doc_lens):
         part = slice(start, start + length * count)
         # [count * length, heads, dim] -> [count, heads, length, dim]: one batch entry per segment.
         qs, ks, vs = (x[part].unflatten(0, (count, length)).transpose(1, 2) for x in (q, k, v))
-        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+        if window is not None and length > window:
+            band = band_bias(length, window, q.dtype, q.device)
+            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=band, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
         outs.append(out.transpose(1, 2).flatten(0, 1))
         start += length * count
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
@@ -144,29 +168,35 @@ def compiled_flex() -> Callable[..., Tensor]:
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex_block_mask(mask: DocumentMask) -> object:
-    """The flex-attention BlockMask of a document mask (built once per forward)."""
-    block = mask.cache.get("flex")
+def flex_block_mask(mask: DocumentMask, window: int | None = None) -> object:
+    """The flex-attention BlockMask of a document mask, banded by a sliding window (built once per forward)."""
+    key = f"flex:{window}"
+    block = mask.cache.get(key)
     if block is None:
         from torch.nn.attention.flex_attention import create_block_mask
 
         ids = mask.doc_ids
 
         def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+            allowed = (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+            return allowed if window is None else allowed & (q_idx - kv_idx < window)
 
         block = create_block_mask(document_causal, None, None, mask.total, mask.total, device=ids.device)
-        mask.cache["flex"] = block
+        mask.cache[key] = block
     return block
 
 
-def flex_attention_fn(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
+def flex_attention_fn(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, window: int | None = None) -> Tensor:
     """Flex attention with a document block mask; compiled on CUDA, eager (forward only) on CPU."""
     from torch.nn.attention.flex_attention import flex_attention
 
     fn = compiled_flex() if q.is_cuda else flex_attention
     out = fn(
-        _to_bhtd(q), _to_bhtd(k), _to_bhtd(v), block_mask=flex_block_mask(mask), enable_gqa=q.shape[1] != k.shape[1]
+        _to_bhtd(q),
+        _to_bhtd(k),
+        _to_bhtd(v),
+        block_mask=flex_block_mask(mask, window),
+        enable_gqa=q.shape[1] != k.shape[1],
     )
     return _from_bhtd(out)  # type: ignore[arg-type]
 
@@ -175,23 +205,28 @@ def _repeat_kv(x: Tensor, groups: int) -> Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def varlen_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, window: int | None = None) -> Tensor:
     """PyTorch's varlen flash attention (CUDA). Handles both the torch 2.11 and the newer signature."""
     cu = mask.cu_seqlens
-    return varlen_call(q, k, v, cu, cu, mask.max_seqlen, mask.max_seqlen)
+    return varlen_call(q, k, v, cu, cu, mask.max_seqlen, mask.max_seqlen, window)
 
 
-def varlen_call(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int) -> Tensor:
+def varlen_call(
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, window: int | None = None
+) -> Tensor:
     """Causal `varlen_attn` over packed sequences; where a query sequence is shorter than its key sequence, its
-    queries are the last ones (the causal mask is aligned to the bottom right, as in flash attention)."""
+    queries are the last ones (the causal mask is aligned to the bottom right, as in flash attention). A window
+    keeps the `window` keys ending at each query (the kernel's left window of window - 1)."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = _varlen_params()
     kwargs: dict[str, object] = {}
     if "is_causal" in params:
+        if window is not None:
+            raise ValueError("this torch's varlen_attn has no window argument; use model.attn = 'flex' or 'flash'")
         kwargs["is_causal"] = True
     else:
-        kwargs["window_size"] = (-1, 0)
+        kwargs["window_size"] = (-1 if window is None else window - 1, 0)
     groups = q.shape[1] // k.shape[1]
     if groups > 1 and "enable_gqa" in params:
         kwargs["enable_gqa"] = True
@@ -207,17 +242,22 @@ def _varlen_params() -> frozenset[str]:
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, window: int | None = None) -> Tensor:
     """flash-attn's varlen kernel (CUDA, bf16/fp16); it supports grouped-query attention natively."""
     cu = mask.cu_seqlens
-    return flash_call(q, k, v, cu, cu, mask.max_seqlen, mask.max_seqlen)
+    return flash_call(q, k, v, cu, cu, mask.max_seqlen, mask.max_seqlen, window)
 
 
-def flash_call(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int) -> Tensor:
-    """Causal `flash_attn_varlen_func` over packed sequences (bottom-right aligned, like `varlen_call`)."""
+def flash_call(
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, window: int | None = None
+) -> Tensor:
+    """Causal `flash_attn_varlen_func` over packed sequences (bottom-right aligned, like `varlen_call`), with a
+    left window of window - 1 keys when a window is given."""
     from flash_attn import flash_attn_varlen_func
 
-    return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)  # type: ignore[no-any-return]
+    left = -1 if window is None else window - 1
+    return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,  # type: ignore[no-any-return]
+                                  window_size=(left, 0))  # fmt: skip
 
 
 def choose_backend(doc_lens: list[int], device: torch.device) -> str:
@@ -254,13 +294,13 @@ def describe_backend(name: str, device: torch.device) -> str:
 
 
 @torch.compiler.disable
-def auto_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
+def auto_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, window: int | None = None) -> Tensor:
     """The backend `choose_backend` picks for this row (decided once per forward, shared by every layer)."""
     name = mask.cache.get("auto")
     if name is None:
         name = choose_backend(mask.doc_lens, q.device)
         mask.cache["auto"] = name
-    return _FUNCTIONS[name](q, k, v, mask)  # type: ignore[index]
+    return _FUNCTIONS[name](q, k, v, mask, window)  # type: ignore[index]
 
 
 _FUNCTIONS: dict[str, AttentionFn] = {
@@ -307,18 +347,19 @@ def get_attention(name: str) -> AttentionFn:
     return _FUNCTIONS[name]
 
 
-_MASK_BUILDERS: dict[AttentionFn, Callable[[DocumentMask], object]] = {
+_MASK_BUILDERS: dict[AttentionFn, Callable[[DocumentMask, int | None], object]] = {
     sdpa_attention: dense_document_mask,
     flex_attention_fn: flex_block_mask,
 }
 """The per-forward mask each backend caches in `DocumentMask.cache` (the others need none, or choose per row)."""
 
 
-def prepare_mask(attention: AttentionFn, mask: DocumentMask) -> None:
-    """Build the mask `attention` reads before the decoder blocks run, once per forward: a block's forward then
-    only reads the cache. Writing it from inside a checkpointed block that torch.compile traces is a side effect
-    that the checkpoint's higher-order op refuses. Attention functions passed in from outside (context
-    parallelism) build their masks at their first use."""
+def prepare_mask(attention: AttentionFn, mask: DocumentMask, windows: set[int | None]) -> None:
+    """Build the masks `attention` reads (one per sliding window the layers use, None for full attention) before
+    the decoder blocks run, once per forward: a block's forward then only reads the cache. Writing it from inside a
+    checkpointed block that torch.compile traces is a side effect that the checkpoint's higher-order op refuses.
+    Attention functions passed in from outside (context parallelism) build their masks at their first use."""
     builder = _MASK_BUILDERS.get(attention)
     if builder is not None:
-        builder(mask)
+        for window in windows:
+            builder(mask, window)

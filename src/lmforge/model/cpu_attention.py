@@ -77,35 +77,56 @@ def plan(doc_lens: list[int]) -> list[Run]:
     return runs
 
 
+def band_bias(length: int, window: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Additive [length, length] mask of a causal sliding window: 0 where query i may attend key j (i - window <
+    j <= i), -inf elsewhere."""
+    pos = torch.arange(length, device=device)
+    offset = pos[:, None] - pos[None, :]
+    allowed = (offset >= 0) & (offset < window)
+    return torch.zeros(length, length, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+
+
+def _masks(runs: list[Run], window: int | None, q: Tensor) -> list[Tensor | None]:
+    """Each run's sliding-window mask, None where the run's segments fit in the window (plain causal)."""
+    if window is None:
+        return [None] * len(runs)
+    return [band_bias(run.length, window, q.dtype, q.device) if run.length > window else None for run in runs]
+
+
 class CpuSegmentAttention(torch.autograd.Function):
-    """Causal attention within each segment of a packed row: q [T, Hq, D], k and v [T, Hkv, D] -> [T, Hq, D]."""
+    """Causal attention within each segment of a packed row: q [T, Hq, D], k and v [T, Hkv, D] -> [T, Hq, D];
+    with a window, each query attends the `window` keys up to itself (a segment longer than the window gets the
+    kernel's additive band mask instead of its causal flag)."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, doc_lens: list[int]) -> Tensor:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, doc_lens: list[int], window: int | None) -> Tensor:
         runs = plan(doc_lens)
+        masks = _masks(runs, window, q)
         outs: list[Tensor] = []
         lses: list[Tensor] = []
-        for run in runs:
-            o, lse = _flash(run.views(q), run.views(k), run.views(v), 0.0, True)[:2]
+        for run, band in zip(runs, masks, strict=True):
+            o, lse = _flash(run.views(q), run.views(k), run.views(v), 0.0, band is None, attn_mask=band)[:2]
             outs.append(_rows(o))
             lses.append(lse)
         out = _row(outs)
-        ctx.runs = runs
+        ctx.runs, ctx.masks = runs, masks
         ctx.save_for_backward(q, k, v, out, *lses)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
         q, k, v, out, *lses = ctx.saved_tensors
         grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
         grads: tuple[list[Tensor], list[Tensor], list[Tensor]] = ([], [], [])
-        for run, lse in zip(ctx.runs, lses, strict=True):
+        for run, lse, band in zip(ctx.runs, lses, ctx.masks, strict=True):
             qs, ks, vs, os, gs = (run.views(x) for x in (q, k, v, out, grad_out))
-            for into, grad in zip(grads, _flash_backward(gs, qs, ks, vs, os, lse, 0.0, True), strict=True):
+            parts = _flash_backward(gs, qs, ks, vs, os, lse, 0.0, band is None, attn_mask=band)
+            for into, grad in zip(grads, parts, strict=True):
                 into.append(_rows(grad))
-        return _row(grads[0]), _row(grads[1]), _row(grads[2]), None
+        return _row(grads[0]), _row(grads[1]), _row(grads[2]), None, None
 
 
-def cpu_segment_attention(q: Tensor, k: Tensor, v: Tensor, doc_lens: list[int]) -> Tensor:
-    """Causal attention within each segment (`doc_lens`, summing to T) of q [T, Hq, D], k and v [T, Hkv, D]."""
-    return CpuSegmentAttention.apply(q, k, v, doc_lens)  # type: ignore[no-any-return]
+def cpu_segment_attention(q: Tensor, k: Tensor, v: Tensor, doc_lens: list[int], window: int | None = None) -> Tensor:
+    """Causal attention within each segment (`doc_lens`, summing to T) of q [T, Hq, D], k and v [T, Hkv, D], each
+    query over at most `window` keys ending at itself when a window is given."""
+    return CpuSegmentAttention.apply(q, k, v, doc_lens, window)  # type: ignore[no-any-return]

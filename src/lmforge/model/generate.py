@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from lmforge.model.attention import window_allows
 from lmforge.model.hyper_connections import HyperConnection, collapse_stream, expand_stream, stream_rate
 from lmforge.model.llama import CausalLM, DecoderLayer
 from lmforge.model.rotary import rotary_cos_sin
@@ -67,19 +68,21 @@ class KVCache:
         self.length += n
 
 
-def _attend(q: Tensor, keys: Tensor, values: Tensor, start: int) -> Tensor:
-    """q [T, Hq, D] at positions start.., keys/values [Hkv, L, D] -> [T, Hq, D], causal over absolute positions."""
+def _attend(q: Tensor, keys: Tensor, values: Tensor, start: int, window: int | None) -> Tensor:
+    """q [T, Hq, D] at positions start.., keys/values [Hkv, L, D] -> [T, Hq, D], causal over absolute positions
+    and, with a sliding window, over the `window` positions ending at each query."""
     t, num_heads, _ = q.shape
     groups = num_heads // keys.shape[0]
     if groups > 1:
         # Query head h reads kv head h // groups, as in HF's repeat_kv.
         keys, values = keys.repeat_interleave(groups, dim=0), values.repeat_interleave(groups, dim=0)
     mask = None
-    if t > 1:
-        # A single new token may see every cached key; a block of them must not see the ones after itself.
-        key_pos = torch.arange(keys.shape[1], device=q.device)
-        query_pos = torch.arange(start, start + t, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]
+    if t > 1 or (window is not None and keys.shape[1] > window):
+        # A single new token may see every cached key (unless a window cuts the oldest); a block of them must not
+        # see the ones after itself.
+        key_pos = torch.arange(keys.shape[1], device=q.device)[None, :]
+        query_pos = torch.arange(start, start + t, device=q.device)[:, None]
+        mask = (key_pos <= query_pos) & window_allows(query_pos, key_pos, window)
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask)
     return out[0].transpose(0, 1)
 
@@ -115,7 +118,7 @@ def forward_with_cache(model: CausalLM, input_ids: Tensor, cache: KVCache) -> Te
             normed = layer.input_layernorm(h)
             q, k, v = attn.qkv(normed, cos, sin)
             keys, values = cache.write(i, k, v)
-            out = _attend(q, keys, values, start)
+            out = _attend(q, keys, values, start, attn.window)
             return attn.output(out.reshape(t, attn.num_heads, attn.head_dim), normed, v)
 
         def mlp(h: Tensor, layer: DecoderLayer = layer) -> Tensor:

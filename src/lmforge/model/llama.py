@@ -40,8 +40,10 @@ class Attention(nn.Module):
     """Grouped-query self-attention with RoPE and optional per-head QK-norm; research options (GLM-4.5 family)
     change the heads' output before `o_proj` (`output`): exclusive self attention, then a sigmoid output gate."""
 
-    def __init__(self, arch: AnyArch, attention: AttentionFn) -> None:
+    def __init__(self, arch: AnyArch, attention: AttentionFn, window: int | None = None) -> None:
         super().__init__()
+        self.window = window
+        """This block's sliding window (keys per query, itself included); None: full causal attention."""
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.kv_heads
         self.head_dim = arch.dim_per_head
@@ -90,7 +92,7 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
         """x [T, hidden] -> [T, hidden]."""
         q, k, v = self.qkv(x, cos, sin)
-        out = self.attention(q, k, v, mask)
+        out = self.attention(q, k, v, mask, self.window)
         return self.output(out.reshape(x.shape[0], self.num_heads, self.head_dim), x, v)
 
 
@@ -101,7 +103,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: AnyArch, attention: AttentionFn, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, attention)
+        self.self_attn = Attention(arch, attention, arch.attention_window(index))
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         spec = arch.moe
         self.mlp: MLP | MoE = (
@@ -166,7 +168,7 @@ class DecoderModel(nn.Module):
             raise ValueError(f"doc_lens add up to {mask.total}, which is not the {x.shape[0]} tokens of this row"
                              + ("" if self.row_split == 1 else f" x cp {self.row_split}"))  # fmt: skip
         cos, sin = rotary_cos_sin(position_ids, self.arch, x.dtype)
-        prepare_mask(self.attention, mask)
+        prepare_mask(self.attention, mask, {layer.self_attn.window for layer in self.layers})
         rate = stream_rate(self.arch)
         if rate:
             x = expand_stream(x, rate)

@@ -27,7 +27,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lmforge.data.batch import MicroBatch
-from lmforge.model.attention import DocumentMask, compiled_flex, flash_call, resolve_backend, varlen_call
+from lmforge.model.attention import (
+    DocumentMask,
+    compiled_flex,
+    flash_call,
+    resolve_backend,
+    varlen_call,
+    window_allows,
+)
 from lmforge.model.llama import CausalLM
 from lmforge.model.seq_balance import TokenSplit
 
@@ -142,18 +149,22 @@ def _positions(doc_ids: Tensor, shard: ContextShard) -> tuple[Tensor, Tensor]:
     return shard.index(total).to(doc_ids.device), shard.gathered_index(total).to(doc_ids.device)
 
 
-def context_mask(doc_ids: Tensor, shard: ContextShard, cache: dict[str, object]) -> Tensor:
-    """Boolean [T / cp, T]: local query i may attend gathered key j (same document, not after it in the row)."""
-    dense = cache.get("cp_dense")
+def context_mask(doc_ids: Tensor, shard: ContextShard, cache: dict[str, object], window: int | None = None) -> Tensor:
+    """Boolean [T / cp, T]: local query i may attend gathered key j (same document, not after it in the row, and
+    within the sliding window when there is one)."""
+    key = f"cp_dense:{window}"
+    dense = cache.get(key)
     if dense is None:
         q_pos, k_pos = _positions(doc_ids, shard)
-        dense = (doc_ids[q_pos][:, None] == doc_ids[k_pos][None, :]) & (k_pos[None, :] <= q_pos[:, None])
-        cache["cp_dense"] = dense
+        qp, kp = q_pos[:, None], k_pos[None, :]
+        dense = (doc_ids[q_pos][:, None] == doc_ids[k_pos][None, :]) & (kp <= qp) & window_allows(qp, kp, window)
+        cache[key] = dense
     return dense  # type: ignore[return-value]
 
 
-def _flex_mask(doc_ids: Tensor, shard: ContextShard, cache: dict[str, object]) -> object:
-    block = cache.get("cp_flex")
+def _flex_mask(doc_ids: Tensor, shard: ContextShard, cache: dict[str, object], window: int | None) -> object:
+    key = f"cp_flex:{window}"
+    block = cache.get(key)
     if block is None:
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -161,10 +172,11 @@ def _flex_mask(doc_ids: Tensor, shard: ContextShard, cache: dict[str, object]) -
 
         def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             qp, kp = q_pos[q_idx], k_pos[kv_idx]
-            return (doc_ids[qp] == doc_ids[kp]) & (kp <= qp)
+            allowed = (doc_ids[qp] == doc_ids[kp]) & (kp <= qp)
+            return allowed if window is None else allowed & (qp - kp < window)
 
         block = create_block_mask(document_causal, None, None, len(q_pos), len(k_pos), device=doc_ids.device)
-        cache["cp_flex"] = block
+        cache[key] = block
     return block
 
 
@@ -177,16 +189,21 @@ class ContextAttention:
     """This rank's place in its CP group, with the kernel."""
 
     @torch.compiler.disable
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
-        """q [T / cp, Hq, D], this rank's k and v [T / cp, Hkv, D], and the mask of the whole row -> [T / cp, Hq, D]."""
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, window: int | None = None) -> Tensor:
+        """q [T / cp, Hq, D], this rank's k and v [T / cp, Hkv, D], the mask of the whole row and the layer's
+        sliding window -> [T / cp, Hq, D]."""
         kv = gather_row(torch.cat([k, v], dim=1), self.shard)  # one collective for both
-        return attend_gathered(q, kv, k.shape[1], mask, self.shard)
+        return attend_gathered(q, kv, k.shape[1], mask, self.shard, window)
 
 
-def attend_gathered(q: Tensor, kv: Tensor, kv_heads: int, mask: DocumentMask, shard: ContextShard) -> Tensor:
+def attend_gathered(
+    q: Tensor, kv: Tensor, kv_heads: int, mask: DocumentMask, shard: ContextShard, window: int | None = None
+) -> Tensor:
     """This rank's queries [T / cp, Hq, D] over the gathered keys and values `kv` [T, 2 x kv_heads, D] (every
     rank's, in rank order, keys before values along the head dimension), with the kernel of `shard`; `mask`
-    describes the whole row."""
+    describes the whole row. With a sliding window, each query keeps the `window` row positions ending at its own
+    (a band in the mask, or the varlen kernels' window, which counts from each query's bottom-right-aligned
+    place in its document's keys)."""
     doc_ids, cache = mask.doc_ids, mask.cache
     if shard.kernel in ("varlen", "flash"):
         layout = cache.get("cp_varlen")
@@ -202,7 +219,7 @@ def attend_gathered(q: Tensor, kv: Tensor, kv_heads: int, mask: DocumentMask, sh
         plan, index, cu_q, cu_k = layout  # type: ignore[misc]
         k_packed, v_packed = kv[index].split([kv_heads, kv_heads], dim=1)
         call = flash_call if shard.kernel == "flash" else varlen_call
-        return call(q, k_packed, v_packed, cu_q, cu_k, plan.max_q, plan.max_k)
+        return call(q, k_packed, v_packed, cu_q, cu_k, plan.max_q, plan.max_k, window)
     k_all, v_all = kv.split([kv_heads, kv_heads], dim=1)
     gqa = q.shape[1] != kv_heads
     qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k_all, v_all))
@@ -210,9 +227,10 @@ def attend_gathered(q: Tensor, kv: Tensor, kv_heads: int, mask: DocumentMask, sh
         from torch.nn.attention.flex_attention import flex_attention
 
         fn = compiled_flex() if q.is_cuda else flex_attention  # eager on the CPU (forward only), as without CP
-        out = fn(qs, ks, vs, block_mask=_flex_mask(doc_ids, shard, cache), enable_gqa=gqa)
+        out = fn(qs, ks, vs, block_mask=_flex_mask(doc_ids, shard, cache, window), enable_gqa=gqa)
     else:
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=context_mask(doc_ids, shard, cache), enable_gqa=gqa)
+        dense = context_mask(doc_ids, shard, cache, window)
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=dense, enable_gqa=gqa)
     return out.squeeze(0).transpose(0, 1)  # type: ignore[union-attr]
 
 

@@ -40,7 +40,7 @@ from lmforge.plan.experts import balance_dispatches
 from lmforge.plan.gpus import GpuSpec
 from lmforge.plan.muon import host_row_tables
 from lmforge.plan.roofline import ATTENTION_OPS, Roofline
-from lmforge.train.flops import FlopCounter, attended_pairs
+from lmforge.train.flops import FlopCounter
 from lmforge.train.micro_batches import run_micro_batches
 
 CUDA = torch.device("cuda")
@@ -314,11 +314,12 @@ def plan_step(
             update = phases[2]
             step = phases[0] + phases[1] + update
         memory = _categories(next(iter(snapshot.values()), {})) if tracker is not None else {}
-        counter = FlopCounter(model, arch.num_hidden_layers, arch.num_attention_heads, arch.dim_per_head)
+        windows = [arch.attention_window(i) for i in range(arch.num_hidden_layers)]
+        counter = FlopCounter(model, arch.num_hidden_layers, arch.num_attention_heads, arch.dim_per_head, windows)
         # A TP group trains on the same rows: each GPU's share is 1 / tp of their tokens and of the model's FLOPs.
         tp = ctx.tp.size
         tokens = sum(mb.tokens for mb in micro_batches) // tp
-        pairs = attended_pairs(mb.doc_lens for mb in rows) / ctx.cp.size / tp
+        pairs = counter.pairs([mb.doc_lens for mb in rows]) / ctx.cp.size / tp
         flops, dense = counter.step_flops(tokens, pairs)
         compute = step.seconds
         formula = sorted(n for n in step.uncounted if n in ATTENTION_OPS)

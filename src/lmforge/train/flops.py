@@ -8,14 +8,17 @@ N_matmul is the number of active non-embedding matrix parameters, the LM head in
 its matmul): every token multiplies each such weight once in forward (2 FLOPs per weight) and twice in backward.
 The attention term counts the query-key pairs actually attended: with document masking a segment of s tokens
 attends s (s + 1) / 2 pairs (causal), and each pair costs 2 x head_dim FLOPs for QK^T and as many for AV per
-head, times 3 for forward + backward. `perf/mfu` uses this count; `perf/mfu_6nd` uses 6 x N_matmul x tokens
-alone (the PaLM-style approximation without attention), for comparison with papers that report it.
+head, times 3 for forward + backward. A layer with a sliding window of w keys attends w (w + 1) / 2 + (s - w) w
+pairs in a segment longer than w; the attention term then uses the mean over the layers. `perf/mfu` uses this
+count; `perf/mfu_6nd` uses 6 x N_matmul x tokens alone (the PaLM-style approximation without attention), for
+comparison with papers that report it.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -60,21 +63,35 @@ def param_counts(model: nn.Module) -> dict[str, float]:
     return count_params(model).metrics()
 
 
-def attended_pairs(doc_lens: Iterable[torch.Tensor]) -> int:
-    """Sum of s (s + 1) / 2 over the segments of some micro-batches (their CPU `doc_lens`)."""
+def attended_pairs(doc_lens: Iterable[torch.Tensor], window: int | None = None) -> int:
+    """Query-key pairs one causal layer attends over the segments of some micro-batches (their CPU `doc_lens`):
+    s (s + 1) / 2 per segment, or with a sliding window of w keys w (w + 1) / 2 + (s - w) w where s > w."""
     total = 0
     for lens in doc_lens:
         s = lens.to(torch.int64)
-        total += int((s * (s + 1) // 2).sum())
+        if window is not None:
+            s_in = s.clamp(max=window)
+            total += int((s_in * (s_in + 1) // 2 + (s - s_in) * window).sum())
+        else:
+            total += int((s * (s + 1) // 2).sum())
     return total
 
 
 class FlopCounter:
     """Training FLOPs of a step from its token count and attended pairs."""
 
-    def __init__(self, model: nn.Module, layers: int, heads: int, head_dim: int) -> None:
+    def __init__(
+        self, model: nn.Module, layers: int, heads: int, head_dim: int, windows: Sequence[int | None] = ()
+    ) -> None:
         self.matmul = count_params(model).active_matmul
         self.per_pair = 12.0 * layers * heads * head_dim
+        self.windows = Counter(windows or [None] * layers)
+        """How many layers have each sliding window (None: full attention)."""
+
+    def pairs(self, doc_lens: Sequence[torch.Tensor]) -> float:
+        """The attended pairs of these micro-batches' segments, averaged over the layers (their windows differ)."""
+        layers = sum(self.windows.values())
+        return sum(n * attended_pairs(doc_lens, w) for w, n in self.windows.items()) / layers
 
     def step_flops(self, tokens: float, pairs: float) -> tuple[float, float]:
         """(FLOPs with attention, 6 x N x tokens) of a step."""

@@ -48,7 +48,7 @@ from lmforge.train.callbacks.reporting import Reporting, build_monitors
 from lmforge.train.callbacks.source_shares import SourceShares
 from lmforge.train.callbacks.spike_flags import SpikeFlags
 from lmforge.train.callbacks.validation import Validation
-from lmforge.train.flops import FlopCounter, attended_pairs, param_counts, peak_flops
+from lmforge.train.flops import FlopCounter, param_counts, peak_flops
 from lmforge.train.host_memory import retain_freed_memory
 from lmforge.train.logs import close_logger, rank_logger
 from lmforge.train.metrics import peak_memory_gib, perplexity, reduce_step_stats
@@ -140,7 +140,9 @@ class Trainer:
         configured = self._configured_callbacks(balancer)
         if isinstance(source, TokenData) and source.sources is not None:
             configured.append(SourceShares(source.sources.names))
-        self.flops = FlopCounter(self.model, arch.num_hidden_layers, arch.num_attention_heads, arch.dim_per_head)
+        windows = [arch.attention_window(i) for i in range(arch.num_hidden_layers)]
+        self.flops = FlopCounter(self.model, arch.num_hidden_layers, arch.num_attention_heads, arch.dim_per_head,
+                                 windows)  # fmt: skip
         self.peak_flops = peak_flops(ctx.device)
         self.params = param_counts(self.model)
         self.log = rank_logger(self.run_dir, ctx.rank)
@@ -253,7 +255,7 @@ class Trainer:
         memory = torch.tensor(peak_memory_gib(device), device=device)
         # Under context parallelism every rank of a group has the whole row's segments: each counts its share. The
         # ranks of a TP group see the same rows: the first counts them.
-        pairs = float(attended_pairs(mb.doc_lens for mb in micro_batches)) / self.ctx.cp.size
+        pairs = self.flops.pairs([mb.doc_lens for mb in micro_batches]) / self.ctx.cp.size
         pairs = pairs if self.ctx.counts_tokens else 0.0
         sums: dict[str, torch.Tensor] = {
             "loss_sum": stats.loss_sum,
