@@ -22,7 +22,7 @@ from tests.unit.test_rope_scaling import assert_greedy_equals_export
 
 CPU = torch.device("cpu")
 # Runs of equal lengths (batched kernel calls), documents shorter and longer than the windows below.
-DOC_LENS = [3, 12, 12, 5, 20, 1]
+DOC_LENS = [3, 12, 12, 5, 20, 4]
 T, HQ, HKV, D = sum(DOC_LENS), 4, 2, 8
 
 

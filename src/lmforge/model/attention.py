@@ -19,6 +19,11 @@ A layer may have a sliding window (`arch.attention_window`): each query then att
 at itself, within its segment (a window never reaches across a segment's start). Every backend takes it: as a band
 in its mask (`sdpa`, `flex`, and `sdpa_loop` for segments longer than the window), or as the kernel's window
 argument (`flash`, `varlen`).
+
+A layer may also have attention sinks (`lmforge.model.sinks`): a logit per query head in every softmax's
+denominator. `sdpa_loop` on the CPU and `flex` rescale their output by the kernel's log-sum-exp; `sdpa` (and
+`sdpa_loop` on CUDA) compute the softmax with the sink column written out; the varlen kernels refuse them, since
+neither returns a log-sum-exp that carries a gradient.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lmforge.model.cpu_attention import band_bias, cpu_segment_attention, equal_length_runs
+from lmforge.model.sinks import masked_sink_attention, sink_scale
 
 BACKENDS = ("flash", "varlen", "flex", "sdpa", "sdpa_loop")
 """Names accepted by `model.attn`, besides `auto`."""
@@ -89,9 +95,9 @@ class DocumentMask:
         return int(self.doc_ids.numel())
 
 
-AttentionFn = Callable[[Tensor, Tensor, Tensor, DocumentMask, int | None], Tensor]
-"""q [T, Hq, D], k and v [T, Hkv, D], the row's mask and the layer's sliding window (None: full causal attention)
--> output [T, Hq, D]."""
+AttentionFn = Callable[[Tensor, Tensor, Tensor, DocumentMask, int | None, Tensor | None], Tensor]
+"""q [T, Hq, D], k and v [T, Hkv, D], the row's mask, the layer's sliding window (None: full causal attention) and
+its sinks [Hq] (None: none) -> output [T, Hq, D]."""
 
 
 def _to_bhtd(x: Tensor) -> Tensor:
@@ -123,8 +129,14 @@ def dense_document_mask(mask: DocumentMask, window: int | None = None) -> Tensor
     return dense  # type: ignore[return-value]
 
 
-def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, window: int | None = None) -> Tensor:
-    """SDPA with an explicit block-diagonal causal mask (banded with a window)."""
+def sdpa_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, window: int | None = None, sinks: Tensor | None = None
+) -> Tensor:
+    """SDPA with an explicit block-diagonal causal mask (banded with a window); with sinks, the same mask in
+    attention written out with the sink column."""
+    if sinks is not None:
+        allowed = dense_document_mask(mask, window)
+        return _from_bhtd(masked_sink_attention(_to_bhtd(q), _to_bhtd(k), _to_bhtd(v), allowed, sinks))
     out = F.scaled_dot_product_attention(
         _to_bhtd(q),
         _to_bhtd(k),
@@ -138,19 +150,25 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, window: 
 # Compiled blocks run the per-row choice and the per-segment loop eagerly, between two compiled graphs: traced,
 # the loop over a row's segments would make every new layout recompile (tests/unit/test_compile.py).
 @torch.compiler.disable
-def sdpa_loop_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, window: int | None = None) -> Tensor:
+def sdpa_loop_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, window: int | None = None, sinks: Tensor | None = None
+) -> Tensor:
     """Causal SDPA per segment; consecutive segments of one length go in one batched call (a row of whole
     windows, the layout without document masking, is a single call). On the CPU, the flash kernel's calls with a
     backward of their own (`lmforge.model.cpu_attention`). Segments longer than the window get a band mask."""
     if q.device.type == "cpu":
-        return cpu_segment_attention(q, k, v, mask.doc_lens, window)
+        return cpu_segment_attention(q, k, v, mask.doc_lens, window, sinks)
     gqa = q.shape[1] != k.shape[1]
     outs, start = [], 0
     for length, count in equal_length_runs(mask.doc_lens):
         part = slice(start, start + length * count)
         # [count * length, heads, dim] -> [count, heads, length, dim]: one batch entry per segment.
         qs, ks, vs = (x[part].unflatten(0, (count, length)).transpose(1, 2) for x in (q, k, v))
-        if window is not None and length > window:
+        if sinks is not None:
+            pos = torch.arange(length, device=q.device)
+            allowed = (pos[:, None] >= pos[None, :]) & window_allows(pos[:, None], pos[None, :], window)
+            out = masked_sink_attention(qs, ks, vs, allowed, sinks)
+        elif window is not None and length > window:
             band = band_bias(length, window, q.dtype, q.device)
             out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=band, enable_gqa=gqa)
         else:
@@ -186,27 +204,31 @@ def flex_block_mask(mask: DocumentMask, window: int | None = None) -> object:
     return block
 
 
-def flex_attention_fn(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, window: int | None = None) -> Tensor:
-    """Flex attention with a document block mask; compiled on CUDA, eager (forward only) on CPU."""
-    from torch.nn.attention.flex_attention import flex_attention
+def flex_attention_fn(
+    q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, window: int | None = None, sinks: Tensor | None = None
+) -> Tensor:
+    """Flex attention with a document block mask; compiled on CUDA, eager (forward only) on CPU. Sinks rescale
+    the output by the log-sum-exp flex returns (its gradient flows through it)."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     fn = compiled_flex() if q.is_cuda else flex_attention
-    out = fn(
-        _to_bhtd(q),
-        _to_bhtd(k),
-        _to_bhtd(v),
-        block_mask=flex_block_mask(mask, window),
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    return _from_bhtd(out)  # type: ignore[arg-type]
+    block = flex_block_mask(mask, window)
+    qs, ks, vs = _to_bhtd(q), _to_bhtd(k), _to_bhtd(v)
+    if sinks is None:
+        return _from_bhtd(fn(qs, ks, vs, block_mask=block, enable_gqa=q.shape[1] != k.shape[1]))  # type: ignore[arg-type]
+    out, aux = fn(qs, ks, vs, block_mask=block, enable_gqa=q.shape[1] != k.shape[1], return_aux=AuxRequest(lse=True))
+    return _from_bhtd(out * sink_scale(aux.lse[0], sinks)[None, :, :, None].to(out.dtype))
 
 
 def _repeat_kv(x: Tensor, groups: int) -> Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def varlen_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, window: int | None = None) -> Tensor:
+def varlen_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, window: int | None = None, sinks: Tensor | None = None
+) -> Tensor:
     """PyTorch's varlen flash attention (CUDA). Handles both the torch 2.11 and the newer signature."""
+    refuse_sinks("varlen", sinks)
     cu = mask.cu_seqlens
     return varlen_call(q, k, v, cu, cu, mask.max_seqlen, mask.max_seqlen, window)
 
@@ -242,8 +264,11 @@ def _varlen_params() -> frozenset[str]:
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, window: int | None = None) -> Tensor:
+def flash_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, window: int | None = None, sinks: Tensor | None = None
+) -> Tensor:
     """flash-attn's varlen kernel (CUDA, bf16/fp16); it supports grouped-query attention natively."""
+    refuse_sinks("flash", sinks)
     cu = mask.cu_seqlens
     return flash_call(q, k, v, cu, cu, mask.max_seqlen, mask.max_seqlen, window)
 
@@ -293,14 +318,25 @@ def describe_backend(name: str, device: torch.device) -> str:
     )
 
 
+def refuse_sinks(backend: str, sinks: Tensor | None) -> None:
+    """A clear error where a varlen kernel would be asked for sinks, which it cannot compute with a gradient."""
+    if sinks is not None:
+        raise ValueError(
+            f"model.attn = {backend!r} cannot compute attention sinks (its log-sum-exp carries no gradient); "
+            "use 'flex' or 'auto'"
+        )
+
+
 @torch.compiler.disable
-def auto_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, window: int | None = None) -> Tensor:
+def auto_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, window: int | None = None, sinks: Tensor | None = None
+) -> Tensor:
     """The backend `choose_backend` picks for this row (decided once per forward, shared by every layer)."""
     name = mask.cache.get("auto")
     if name is None:
         name = choose_backend(mask.doc_lens, q.device)
         mask.cache["auto"] = name
-    return _FUNCTIONS[name](q, k, v, mask, window)  # type: ignore[index]
+    return _FUNCTIONS[name](q, k, v, mask, window, sinks)  # type: ignore[index]
 
 
 _FUNCTIONS: dict[str, AttentionFn] = {

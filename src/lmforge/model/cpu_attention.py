@@ -93,29 +93,47 @@ def _masks(runs: list[Run], window: int | None, q: Tensor) -> list[Tensor | None
     return [band_bias(run.length, window, q.dtype, q.device) if run.length > window else None for run in runs]
 
 
+def _lse_rows(lse: Tensor) -> Tensor:
+    """A run's log-sum-exp [count, heads, length] as [count * length, heads] rows."""
+    return lse.transpose(1, 2).flatten(0, 1)
+
+
 class CpuSegmentAttention(torch.autograd.Function):
     """Causal attention within each segment of a packed row: q [T, Hq, D], k and v [T, Hkv, D] -> [T, Hq, D];
     with a window, each query attends the `window` keys up to itself (a segment longer than the window gets the
-    kernel's additive band mask instead of its causal flag)."""
+    kernel's additive band mask instead of its causal flag); with sinks [Hq], each head's sink logit joins the
+    softmax's denominator (`lmforge.model.sinks`).
+
+    Sinks: the kernel's output o and log-sum-exp L become o' = o * exp(L - L') with L' = log(exp(L) + exp(s)).
+    The kernel's backward, given o' and L' in place of its own, is the backward of attention with the sink: it
+    recomputes the weights as exp(x - L') and takes rowsum(grad * o') as the softmax's correction term, and the
+    sink's value column is zero. The sink's own gradient is -sum over queries of exp(s - L') rowsum(grad * o')."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, doc_lens: list[int], window: int | None) -> Tensor:
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, doc_lens: list[int], window: int | None, sinks: Tensor | None
+    ) -> Tensor:
         runs = plan(doc_lens)
         masks = _masks(runs, window, q)
         outs: list[Tensor] = []
         lses: list[Tensor] = []
         for run, band in zip(runs, masks, strict=True):
             o, lse = _flash(run.views(q), run.views(k), run.views(v), 0.0, band is None, attn_mask=band)[:2]
-            outs.append(_rows(o))
+            o = _rows(o)
+            if sinks is not None:
+                with_sink = torch.logaddexp(lse, sinks.to(lse.dtype)[:, None])
+                o = o * torch.exp(_lse_rows(lse) - _lse_rows(with_sink)).unsqueeze(-1).to(o.dtype)
+                lse = with_sink
+            outs.append(o)
             lses.append(lse)
         out = _row(outs)
         ctx.runs, ctx.masks = runs, masks
-        ctx.save_for_backward(q, k, v, out, *lses)
+        ctx.save_for_backward(q, k, v, out, sinks, *lses)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
-        q, k, v, out, *lses = ctx.saved_tensors
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None, Tensor | None]:
+        q, k, v, out, sinks, *lses = ctx.saved_tensors
         grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
         grads: tuple[list[Tensor], list[Tensor], list[Tensor]] = ([], [], [])
         for run, lse, band in zip(ctx.runs, lses, ctx.masks, strict=True):
@@ -123,10 +141,18 @@ class CpuSegmentAttention(torch.autograd.Function):
             parts = _flash_backward(gs, qs, ks, vs, os, lse, 0.0, band is None, attn_mask=band)
             for into, grad in zip(grads, parts, strict=True):
                 into.append(_rows(grad))
-        return _row(grads[0]), _row(grads[1]), _row(grads[2]), None, None
+        grad_sinks = None
+        if sinks is not None and ctx.needs_input_grad[5]:
+            lse_rows = _row([_lse_rows(lse) for lse in lses])
+            correction = (grad_out.to(lse_rows.dtype) * out.to(lse_rows.dtype)).sum(-1)  # [T, heads]
+            grad_sinks = -(torch.exp(sinks.to(lse_rows.dtype) - lse_rows) * correction).sum(0).to(sinks.dtype)
+        return _row(grads[0]), _row(grads[1]), _row(grads[2]), None, None, grad_sinks
 
 
-def cpu_segment_attention(q: Tensor, k: Tensor, v: Tensor, doc_lens: list[int], window: int | None = None) -> Tensor:
+def cpu_segment_attention(
+    q: Tensor, k: Tensor, v: Tensor, doc_lens: list[int], window: int | None = None, sinks: Tensor | None = None
+) -> Tensor:
     """Causal attention within each segment (`doc_lens`, summing to T) of q [T, Hq, D], k and v [T, Hkv, D], each
-    query over at most `window` keys ending at itself when a window is given."""
-    return CpuSegmentAttention.apply(q, k, v, doc_lens, window)  # type: ignore[no-any-return]
+    query over at most `window` keys ending at itself when a window is given, with one sink logit per query head
+    in the softmax's denominator when sinks [Hq] are given."""
+    return CpuSegmentAttention.apply(q, k, v, doc_lens, window, sinks)  # type: ignore[no-any-return]

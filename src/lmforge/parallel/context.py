@@ -31,12 +31,14 @@ from lmforge.model.attention import (
     DocumentMask,
     compiled_flex,
     flash_call,
+    refuse_sinks,
     resolve_backend,
     varlen_call,
     window_allows,
 )
 from lmforge.model.llama import CausalLM
 from lmforge.model.seq_balance import TokenSplit
+from lmforge.model.sinks import masked_sink_attention, sink_scale
 
 CP_KERNELS = ("sdpa", "flex", "varlen", "flash")
 """Attention kernels under context parallelism."""
@@ -189,23 +191,39 @@ class ContextAttention:
     """This rank's place in its CP group, with the kernel."""
 
     @torch.compiler.disable
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, window: int | None = None) -> Tensor:
-        """q [T / cp, Hq, D], this rank's k and v [T / cp, Hkv, D], the mask of the whole row and the layer's
-        sliding window -> [T / cp, Hq, D]."""
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: DocumentMask,
+        window: int | None = None,
+        sinks: Tensor | None = None,
+    ) -> Tensor:
+        """q [T / cp, Hq, D], this rank's k and v [T / cp, Hkv, D], the mask of the whole row, the layer's
+        sliding window and sinks -> [T / cp, Hq, D]."""
         kv = gather_row(torch.cat([k, v], dim=1), self.shard)  # one collective for both
-        return attend_gathered(q, kv, k.shape[1], mask, self.shard, window)
+        return attend_gathered(q, kv, k.shape[1], mask, self.shard, window, sinks)
 
 
 def attend_gathered(
-    q: Tensor, kv: Tensor, kv_heads: int, mask: DocumentMask, shard: ContextShard, window: int | None = None
+    q: Tensor,
+    kv: Tensor,
+    kv_heads: int,
+    mask: DocumentMask,
+    shard: ContextShard,
+    window: int | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """This rank's queries [T / cp, Hq, D] over the gathered keys and values `kv` [T, 2 x kv_heads, D] (every
     rank's, in rank order, keys before values along the head dimension), with the kernel of `shard`; `mask`
     describes the whole row. With a sliding window, each query keeps the `window` row positions ending at its own
     (a band in the mask, or the varlen kernels' window, which counts from each query's bottom-right-aligned
-    place in its document's keys)."""
+    place in its document's keys). Sinks join each query's softmax as without CP (`lmforge.model.sinks`): every
+    query's denominator holds all of its keys, gathered, so the sink enters it once."""
     doc_ids, cache = mask.doc_ids, mask.cache
     if shard.kernel in ("varlen", "flash"):
+        refuse_sinks(shard.kernel, sinks)
         layout = cache.get("cp_varlen")
         if layout is None:
             layout = varlen_layout(mask.doc_lens, shard)
@@ -224,10 +242,17 @@ def attend_gathered(
     gqa = q.shape[1] != kv_heads
     qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k_all, v_all))
     if shard.kernel == "flex":
-        from torch.nn.attention.flex_attention import flex_attention
+        from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
         fn = compiled_flex() if q.is_cuda else flex_attention  # eager on the CPU (forward only), as without CP
-        out = fn(qs, ks, vs, block_mask=_flex_mask(doc_ids, shard, cache, window), enable_gqa=gqa)
+        block = _flex_mask(doc_ids, shard, cache, window)
+        if sinks is None:
+            out = fn(qs, ks, vs, block_mask=block, enable_gqa=gqa)
+        else:
+            out, aux = fn(qs, ks, vs, block_mask=block, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+            out = out * sink_scale(aux.lse[0], sinks)[None, :, :, None].to(out.dtype)
+    elif sinks is not None:
+        out = masked_sink_attention(qs, ks, vs, context_mask(doc_ids, shard, cache, window), sinks)
     else:
         dense = context_mask(doc_ids, shard, cache, window)
         out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=dense, enable_gqa=gqa)
