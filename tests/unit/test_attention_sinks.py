@@ -19,7 +19,7 @@ def reference(
 ) -> torch.Tensor:
     """out_i = sum_j exp(x_ij) v_j / (sum_j exp(x_ij) + exp(s_h)) over the keys j query i may attend (same document,
     j <= i, i - j < window), with x = q.k / sqrt(D), one head at a time, in float64."""
-    out = torch.zeros_like(q)
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
     starts = [sum(DOC_LENS[:n]) for n in range(len(DOC_LENS))]
     groups = HQ // HKV
     for start, n in zip(starts, DOC_LENS, strict=True):
@@ -106,3 +106,19 @@ def test_cuda_backends_equal_the_definition(backend: str) -> None:
     torch.testing.assert_close(ours.double().cpu(), ref, atol=2e-2, rtol=0)
     for mine, theirs in zip(ours_in, ref_in, strict=True):
         torch.testing.assert_close(mine.grad.double().cpu(), theirs.grad, atol=5e-2, rtol=0)
+
+
+def test_sinks_with_value_heads_narrower_than_query_heads() -> None:
+    q, k, v, grad = _inputs()
+    v, grad = v[..., :5].clone(), grad[..., :5].clone()
+    for backend in ("sdpa_loop", "sdpa"):
+        ours_in = [x.clone().requires_grad_() for x in (q, k, v, _sinks())]
+        ref_in = [x.clone().requires_grad_() for x in (q, k, v, _sinks())]
+        mask = DocumentMask.from_doc_lens(torch.tensor(DOC_LENS), CPU)
+        ours = get_attention(backend)(*ours_in[:3], mask, 4, ours_in[3])
+        ref = reference(*ref_in[:3], ref_in[3], 4)
+        torch.testing.assert_close(ours, ref, atol=1e-10, rtol=0)
+        ours.backward(grad)
+        ref.backward(grad)
+        for mine, theirs in zip(ours_in, ref_in, strict=True):
+            torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-10, rtol=0)

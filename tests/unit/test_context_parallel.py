@@ -72,14 +72,15 @@ def test_a_micro_batch_split_keeps_tokens_aligned_and_the_row_whole() -> None:
     assert per_token == set(MicroBatch.PER_TOKEN)
 
 
-def _inputs() -> tuple[torch.Tensor, ...]:
+def _inputs(values: int = D) -> tuple[torch.Tensor, ...]:
+    """q, k [T, heads, D], and v and the output's gradient with `values` channels per head (narrower for MLA)."""
     gen = torch.Generator().manual_seed(0)
-    q, k, v, grad = (torch.randn(T, h, D, generator=gen) for h in (HQ, HKV, HKV, HQ))
+    q, k, v, grad = (torch.randn(T, h, d, generator=gen) for h, d in ((HQ, D), (HKV, D), (HKV, values), (HQ, values)))
     return q, k, v, grad
 
 
-def _reference() -> dict[str, list[float]]:
-    q, k, v, grad = (x.double() for x in _inputs())
+def _reference(values: int = D) -> dict[str, list[float]]:
+    q, k, v, grad = (x.double() for x in _inputs(values))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     mask = DocumentMask.from_doc_lens(torch.tensor(DOC_LENS), torch.device("cpu"))
     out = sdpa_attention(q, k, v, mask)
@@ -106,7 +107,7 @@ def bottom_right_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q:
     return torch.cat(outs)
 
 
-def _worker(rank: int, port: int, size: int, kernel: str, folder: str) -> None:
+def _worker(rank: int, port: int, size: int, kernel: str, folder: str, values: int) -> None:
     join_as_rank(rank, port, size)
     import torch.distributed as dist
 
@@ -118,7 +119,7 @@ def _worker(rank: int, port: int, size: int, kernel: str, folder: str) -> None:
     try:
         shard = ContextShard(dist.new_group(list(range(size))), rank, size, kernel)
         index = shard.index(T)
-        q, k, v, grad = (x.double()[index] for x in _inputs())
+        q, k, v, grad = (x.double()[index] for x in _inputs(values))
         backward = kernel != "flex"  # flex attention has no backward on the CPU
         if backward:
             q, k, v = (x.requires_grad_() for x in (q, k, v))
@@ -134,10 +135,22 @@ def _worker(rank: int, port: int, size: int, kernel: str, folder: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("size", "kernel"), [(2, "sdpa"), (4, "sdpa"), (2, "flex"), (2, "varlen"), (4, "varlen")])
-def test_attention_over_a_cp_group_equals_one_process(tmp_path: Path, size: int, kernel: str) -> None:
-    ref = {k: np.asarray(v) for k, v in _reference().items()}
-    results = run_ranks(_worker, (free_port(), size, kernel, str(tmp_path)), tmp_path, timeout=120, n=size)
+@pytest.mark.parametrize(
+    ("size", "kernel", "values"),
+    [
+        (2, "sdpa", D),
+        (4, "sdpa", D),
+        (2, "flex", D),
+        (2, "varlen", D),
+        (4, "varlen", D),
+        (2, "sdpa", 5),
+        (2, "varlen", 5),
+    ],
+)
+def test_attention_over_a_cp_group_equals_one_process(tmp_path: Path, size: int, kernel: str, values: int) -> None:
+    # values 5 < D: value heads narrower than query/key heads (MLA) travel zero-padded and come back cut.
+    ref = {k: np.asarray(v) for k, v in _reference(values).items()}
+    results = run_ranks(_worker, (free_port(), size, kernel, str(tmp_path), values), tmp_path, timeout=120, n=size)
     for result in results:
         index = np.asarray(result["index"])
         for key in ("out",) if kernel == "flex" else ("out", "dq", "dk", "dv"):

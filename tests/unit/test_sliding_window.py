@@ -175,3 +175,25 @@ def test_window_fields_and_their_errors(tmp_path: Path) -> None:
         (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
         with pytest.raises(HFModelError, match=match):
             read_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_loop", "auto", "flex"])
+def test_value_heads_narrower_than_query_heads(backend: str, window: int | None) -> None:
+    # Multi-head latent attention's layout: 5-channel values under 8-channel queries and keys (the CPU kernel pads
+    # them to 8 and cuts the output back).
+    q, k, v, grad = _inputs()
+    v, grad = v[..., :5].clone(), grad[..., :5].clone()
+    backward = backend != "flex"
+    ours_in = [x.clone().requires_grad_(backward) for x in (q, k, v)]
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    mask = DocumentMask.from_doc_lens(torch.tensor(DOC_LENS), CPU)
+    ours = get_attention(backend)(*ours_in, mask, window)
+    ref = reference(*ref_in, DOC_LENS, window)
+    assert ours.shape == (T, HQ, 5)
+    torch.testing.assert_close(ours, ref, atol=1e-10, rtol=0)
+    if backward:
+        ours.backward(grad)
+        ref.backward(grad)
+        for mine, theirs in zip(ours_in, ref_in, strict=True):
+            torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-10, rtol=0)

@@ -20,6 +20,9 @@ at itself, within its segment (a window never reaches across a segment's start).
 in its mask (`sdpa`, `flex`, and `sdpa_loop` for segments longer than the window), or as the kernel's window
 argument (`flash`, `varlen`).
 
+Value heads may be narrower than query/key heads (multi-head latent attention): `sdpa` and `flex` take that as
+it is, the CPU flash kernel and the varlen kernels get the values zero-padded to the query/key width.
+
 A layer may also have attention sinks (`lmforge.model.sinks`): a logit per query head in every softmax's
 denominator. `sdpa_loop` on the CPU and `flex` rescale their output by the kernel's log-sum-exp; `sdpa` (and
 `sdpa_loop` on CUDA) compute the softmax with the sink column written out; the varlen kernels refuse them, since
@@ -108,6 +111,16 @@ def _from_bhtd(x: Tensor) -> Tensor:
     return x.squeeze(0).transpose(0, 1)
 
 
+def padded_values(v: Tensor, qk_dim: int) -> Tensor:
+    """v [..., Dv] with zero channels up to the query/key head dim, for the kernels that take one head dim for q, k
+    and v (the CPU flash kernel, the varlen kernels). The extra output channels are zero and are cut off after the
+    call; their gradients never reach v. Multi-head latent attention's value heads are narrower than its query/key
+    heads; wider value heads would change the kernel's softmax scale, and are refused."""
+    if v.shape[-1] > qk_dim:
+        raise ValueError(f"value heads of {v.shape[-1]} channels are wider than the {qk_dim} of queries and keys")
+    return v if v.shape[-1] == qk_dim else F.pad(v, (0, qk_dim - v.shape[-1]))
+
+
 def window_allows(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor | bool:
     """Whether key row position k_pos is within the sliding window of query row position q_pos (broadcast; True
     without a window). Together with "same segment, not after the query" it is the windowed document mask."""
@@ -157,7 +170,8 @@ def sdpa_loop_attention(
     windows, the layout without document masking, is a single call). On the CPU, the flash kernel's calls with a
     backward of their own (`lmforge.model.cpu_attention`). Segments longer than the window get a band mask."""
     if q.device.type == "cpu":
-        return cpu_segment_attention(q, k, v, mask.doc_lens, window, sinks)
+        out = cpu_segment_attention(q, k, padded_values(v, q.shape[-1]), mask.doc_lens, window, sinks)
+        return out[..., : v.shape[-1]]
     gqa = q.shape[1] != k.shape[1]
     outs, start = [], 0
     for length, count in equal_length_runs(mask.doc_lens):
@@ -254,7 +268,8 @@ def varlen_call(
         kwargs["enable_gqa"] = True
     else:
         k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
-    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)  # type: ignore[return-value]
+    out = varlen_attn(q, k, padded_values(v, q.shape[-1]), cu_q, cu_k, max_q, max_k, **kwargs)
+    return out[..., : v.shape[-1]]  # type: ignore[no-any-return]
 
 
 @functools.cache
@@ -281,8 +296,9 @@ def flash_call(
     from flash_attn import flash_attn_varlen_func
 
     left = -1 if window is None else window - 1
-    return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,  # type: ignore[no-any-return]
-                                  window_size=(left, 0))  # fmt: skip
+    out = flash_attn_varlen_func(q, k, padded_values(v, q.shape[-1]), cu_q, cu_k, max_q, max_k, causal=True,
+                                 window_size=(left, 0))  # fmt: skip
+    return out[..., : v.shape[-1]]  # type: ignore[no-any-return]
 
 
 def choose_backend(doc_lens: list[int], device: torch.device) -> str:

@@ -31,6 +31,7 @@ from lmforge.model.attention import (
     DocumentMask,
     compiled_flex,
     flash_call,
+    padded_values,
     refuse_sinks,
     resolve_backend,
     varlen_call,
@@ -202,8 +203,9 @@ class ContextAttention:
     ) -> Tensor:
         """q [T / cp, Hq, D], this rank's k and v [T / cp, Hkv, D], the mask of the whole row, the layer's
         sliding window and sinks -> [T / cp, Hq, D]."""
-        kv = gather_row(torch.cat([k, v], dim=1), self.shard)  # one collective for both
-        return attend_gathered(q, kv, k.shape[1], mask, self.shard, window, sinks)
+        # One collective for both; narrower value heads (MLA) travel zero-padded to the key width.
+        kv = gather_row(torch.cat([k, padded_values(v, k.shape[-1])], dim=1), self.shard)
+        return attend_gathered(q, kv, k.shape[1], mask, self.shard, window, sinks)[..., : v.shape[-1]]
 
 
 def attend_gathered(
