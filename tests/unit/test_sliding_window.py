@@ -50,11 +50,11 @@ def _inputs(dtype: torch.dtype = torch.float64, device: torch.device = CPU) -> l
     return [torch.randn(T, h, D, generator=gen).to(device, dtype) for h in (HQ, HKV, HKV, HQ)]
 
 
-@pytest.mark.parametrize("window", [1, 4, 12, 100])
-@pytest.mark.parametrize("backend", ["sdpa", "sdpa_loop", "auto", "flex"])
-def test_cpu_backends_equal_the_definition(backend: str, window: int) -> None:
-    q, k, v, grad = _inputs()
-    backward = backend != "flex"  # flex attention has no backward on the CPU
+def check_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
+                  window: int | None) -> torch.Tensor:  # fmt: skip
+    """A CPU backend's output, and its q, k, v gradients (not flex's: it has no CPU backward), against
+    `reference` in float64; returns the reference output."""
+    backward = backend != "flex"
     ours_in = [x.clone().requires_grad_(backward) for x in (q, k, v)]
     ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
     mask = DocumentMask.from_doc_lens(torch.tensor(DOC_LENS), CPU)
@@ -66,6 +66,14 @@ def test_cpu_backends_equal_the_definition(backend: str, window: int) -> None:
         ref.backward(grad)
         for mine, theirs in zip(ours_in, ref_in, strict=True):
             torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-10, rtol=0)
+    return ref.detach()
+
+
+@pytest.mark.parametrize("window", [1, 4, 12, 100])
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_loop", "auto", "flex"])
+def test_cpu_backends_equal_the_definition(backend: str, window: int) -> None:
+    q, k, v, grad = _inputs()
+    ref = check_backend(backend, q, k, v, grad, window)
     # The window changes the result wherever a document is longer than it.
     if window < max(DOC_LENS):
         assert (ref - reference(q, k, v, DOC_LENS, None)).abs().max() > 1e-3
@@ -183,17 +191,5 @@ def test_value_heads_narrower_than_query_heads(backend: str, window: int | None)
     # Multi-head latent attention's layout: 5-channel values under 8-channel queries and keys (the CPU kernel pads
     # them to 8 and cuts the output back).
     q, k, v, grad = _inputs()
-    v, grad = v[..., :5].clone(), grad[..., :5].clone()
-    backward = backend != "flex"
-    ours_in = [x.clone().requires_grad_(backward) for x in (q, k, v)]
-    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
-    mask = DocumentMask.from_doc_lens(torch.tensor(DOC_LENS), CPU)
-    ours = get_attention(backend)(*ours_in, mask, window)
-    ref = reference(*ref_in, DOC_LENS, window)
-    assert ours.shape == (T, HQ, 5)
-    torch.testing.assert_close(ours, ref, atol=1e-10, rtol=0)
-    if backward:
-        ours.backward(grad)
-        ref.backward(grad)
-        for mine, theirs in zip(ours_in, ref_in, strict=True):
-            torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-10, rtol=0)
+    ref = check_backend(backend, q, k, v[..., :5].clone(), grad[..., :5].clone(), window)
+    assert ref.shape == (T, HQ, 5)
