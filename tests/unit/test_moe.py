@@ -286,7 +286,10 @@ def test_roles_init_and_buffers() -> None:
 @pytest.mark.parametrize(
     ("make", "match"),
     [
-        (lambda: tiny_glm(n_group=4, topk_group=2), r"group-limited routing \(n_group 4, topk_group 2\)"),
+        (lambda: tiny_glm(n_group=3), r"n_routed_experts 8 must split into n_group 3 equal groups"),
+        (lambda: tiny_glm(n_group=4, topk_group=5), r"topk_group 5 exceeds n_group 4"),
+        (lambda: tiny_glm(n_group=4, num_experts_per_tok=3), r"num_experts_per_tok 3 exceeds the experts of"),
+        (lambda: tiny_glm(n_group=2, null_experts=2), r"n_group > 1\) takes neither null_experts"),
         (lambda: tiny_glm(num_experts_per_tok=9), r"num_experts_per_tok 9 exceeds n_routed_experts 8"),
         (lambda: tiny_glm(first_k_dense_replace=4), r"first_k_dense_replace 4 exceeds num_hidden_layers 3"),
         (lambda: tiny_glm(partial_rotary_factor=0.2), r"rotary part of a head \(3 of head_dim 16\)"),
@@ -294,7 +297,18 @@ def test_roles_init_and_buffers() -> None:
         (lambda: tiny_qwen3_moe(decoder_sparse_step=2), r"decoder_sparse_step 2 .* is not supported"),
         (lambda: tiny_qwen3_moe(num_experts=1), r"num_experts"),
     ],
-    ids=["groups", "top-k", "dense-layers", "odd-rotary", "mlp-only", "sparse-step", "one-expert"],
+    ids=[
+        "uneven-groups",
+        "topk-group",
+        "group-capacity",
+        "groups-null",
+        "top-k",
+        "dense-layers",
+        "odd-rotary",
+        "mlp-only",
+        "sparse-step",
+        "one-expert",
+    ],
 )
 def test_unsupported_architectures_are_refused(make: object, match: str) -> None:
     with pytest.raises(ValidationError, match=match):
@@ -362,3 +376,29 @@ def test_loop_reference_is_selectable_and_grouped_refuses_misaligned_shapes() ->
     moe.experts.impl = "grouped_mm"
     with pytest.raises(ValueError, match="divisible by 4"):
         moe(x)
+
+
+def test_group_limited_routing_equals_a_per_token_reference() -> None:
+    # 8 experts in 4 groups of 2, each token picking its 2 experts from its 2 best groups; a selection bias large
+    # enough to move groups.
+    model = _model(tiny_glm(n_group=4, topk_group=2))
+    gate = model.moe_layers()[1].gate
+    with torch.no_grad():
+        gate.e_score_correction_bias.copy_(torch.randn(8, generator=torch.Generator().manual_seed(1)) * 0.3)
+    x = _x(40)
+    routing = gate(x)
+    scores = torch.sigmoid(x.float() @ gate.weight.float().T)
+    choice = scores + gate.e_score_correction_bias
+    moved = 0
+    for t in range(40):
+        group_score = [sorted(choice[t, 2 * g : 2 * g + 2].tolist())[-2:] for g in range(4)]
+        best = sorted(range(4), key=lambda g: sum(group_score[g]), reverse=True)[:2]
+        allowed = [e for g in best for e in (2 * g, 2 * g + 1)]
+        want = sorted(allowed, key=lambda e: float(choice[t, e]), reverse=True)[:2]
+        assert sorted(routing.indices[t].tolist()) == sorted(want)
+        moved += sorted(want) != sorted(choice[t].topk(2).indices.tolist())
+        gates = scores[t, want] / scores[t, want].sum() * 2.5  # norm_topk_prob, routed_scaling_factor
+        torch.testing.assert_close(
+            routing.weights[t, torch.argsort(routing.indices[t])], gates[torch.argsort(torch.tensor(want))]
+        )
+    assert moved > 0, "the groups changed no token's experts: the check would prove little"

@@ -77,8 +77,9 @@ def _from_pretrained(folder: Path, dtype: torch.dtype = torch.float32) -> torch.
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True).eval()
 
 
-ARCHS = [tiny_glm(), tiny_glm(tie_word_embeddings=True, n_shared_experts=2, norm_topk_prob=False), tiny_qwen3_moe()]
-ARCH_IDS = ["glm", "glm-tied", "qwen3_moe"]
+ARCHS = [tiny_glm(), tiny_glm(tie_word_embeddings=True, n_shared_experts=2, norm_topk_prob=False), tiny_qwen3_moe(),
+         tiny_glm(n_group=4, topk_group=2)]  # fmt: skip
+ARCH_IDS = ["glm", "glm-tied", "qwen3_moe", "glm-groups"]
 
 
 @pytest.mark.parametrize("arch", ARCHS, ids=ARCH_IDS)
@@ -250,7 +251,7 @@ def test_fsdp_sharded_moe_loads(ctx: DistContext, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("arch", "changes", "match"),
     [
-        (tiny_glm(), {"n_group": 8, "topk_group": 4}, r"glm4_moe(.|\n)*group-limited routing"),
+        (tiny_glm(), {"n_group": 8, "topk_group": 4}, r"glm4_moe(.|\n)*n_group 8 equal groups of at least 2"),
         (tiny_qwen3_moe(), {"mlp_only_layers": [0]}, r"qwen3_moe(.|\n)*mlp_only_layers \[0\] is not supported"),
         (tiny_qwen3_moe(), {"decoder_sparse_step": 2}, r"decoder_sparse_step 2"),
         (tiny_qwen3_moe(), {"use_sliding_window": True}, r"use_sliding_window"),

@@ -48,6 +48,10 @@ class MoESpec:
     """The routed experts' gated activation: silu(gate) x up, or Kimi K3's SiTU-GLU."""
     situ_betas: tuple[float, float] = (4.0, 25.0)
     """SiTU-GLU's soft caps (beta1 on the gate half, beta2 on the up half)."""
+    n_group: int = 1
+    """Equal groups of routed experts for group-limited routing (1: none)."""
+    topk_group: int = 1
+    """Groups a token picks its experts from: those whose two best selection values sum highest."""
 
 
 class _ArchBase(BaseModel):
@@ -279,10 +283,11 @@ class Glm4MoeArch(_ArchBase):
     """Multiplier on the routed experts' gate values."""
 
     n_group: int = Field(default=1, ge=1)
-    """Expert groups for group-limited routing; only 1 (no groups) is supported."""
+    """Expert groups for group-limited routing (DeepSeek-V3's): the routed experts split into this many equal
+    groups, each scored by the sum of its two highest selection values; 1: no groups."""
 
     topk_group: int = Field(default=1, ge=1)
-    """Groups a token may pick experts from; only 1 is supported."""
+    """Groups a token may pick its experts from: the topk_group best-scored groups."""
 
     use_qk_norm: bool = False
     """RMS-normalize queries and keys per head before RoPE."""
@@ -359,11 +364,21 @@ class Glm4MoeArch(_ArchBase):
             raise ValueError(
                 f"moe_latent_size {self.moe_latent_size} must be below hidden_size {self.hidden_size} (0: no latent)"
             )
-        if self.n_group != 1 or self.topk_group != 1:
+        if self.n_routed_experts % self.n_group or self.n_routed_experts // self.n_group < 2:
             raise ValueError(
-                f"group-limited routing (n_group {self.n_group}, topk_group {self.topk_group}) is not supported; "
-                "set n_group = topk_group = 1"
+                f"n_routed_experts {self.n_routed_experts} must split into n_group {self.n_group} equal groups of at "
+                "least 2 experts (a group scores by its two best)"
             )
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group {self.topk_group} exceeds n_group {self.n_group}")
+        if self.n_group > 1 and self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
+            raise ValueError(
+                f"num_experts_per_tok {self.num_experts_per_tok} exceeds the experts of topk_group {self.topk_group} "
+                f"groups ({self.topk_group * (self.n_routed_experts // self.n_group)})"
+            )
+        if self.n_group > 1 and (self.null_experts or self.router_bias_on_logits):
+            raise ValueError("group-limited routing (n_group > 1) takes neither null_experts nor "
+                             "router_bias_on_logits")  # fmt: skip
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ValueError(
                 f"num_experts_per_tok {self.num_experts_per_tok} exceeds n_routed_experts {self.n_routed_experts}"
@@ -406,6 +421,8 @@ class Glm4MoeArch(_ArchBase):
             latent_size=self.moe_latent_size,
             expert_glu=self.expert_glu,
             situ_betas=(self.situ_beta, self.situ_linear_beta),
+            n_group=self.n_group,
+            topk_group=self.topk_group,
         )
 
     @property

@@ -44,6 +44,15 @@ def sign_rule(tokens_per_expert: Tensor, coeff: float) -> Tensor:
     return coeff * torch.sign(counts.mean() - counts)
 
 
+def group_limited(choice: Tensor, n_group: int, topk_group: int) -> Tensor:
+    """DeepSeek-V3's group-limited selection: the experts' selection values choice [T, E] with every expert outside
+    each token's topk_group best groups set to -inf, a group scoring the sum of its two highest values."""
+    groups = choice.unflatten(-1, (n_group, -1))
+    best = groups.topk(2, dim=-1).values.sum(-1).topk(topk_group, dim=-1).indices  # [T, topk_group]
+    keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(-1, best, True)
+    return groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
+
+
 @dataclass
 class Routing:
     """The router's decision for T tokens."""
@@ -91,6 +100,8 @@ class Router(nn.Module):
         if self.record_choices and self.training and _counting():
             self._record(biased.detach())
         choice = biased + self.e_score_correction_bias.float() if spec.selection_bias else scores
+        if spec.n_group > 1:
+            choice = group_limited(choice, spec.n_group, spec.topk_group)
         indices = choice.topk(spec.top_k, dim=-1).indices
         chosen = scores.gather(-1, indices)
         confidence = chosen.sum(-1) / scores.sum(-1)
