@@ -147,9 +147,10 @@ def test_a_host_copy_planted_in_the_cuda_only_attention_branch_is_reported_with_
     _needs_cuda_build()
     varlen = attention.varlen_attention
 
-    def planted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: attention.DocumentMask) -> torch.Tensor:
+    def planted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: attention.DocumentMask,
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         mask.cu_seqlens.cpu()  # planted: forward host copy
-        return varlen(q, k, v, mask)
+        return varlen(q, k, v, mask, window, sinks)
 
     monkeypatch.setitem(attention._FUNCTIONS, "varlen", planted)
     check = check_cuda(_config(), 1)  # type: ignore[arg-type]
@@ -182,8 +183,9 @@ def test_a_host_tensor_mixed_into_a_cuda_forward_is_reported(monkeypatch: pytest
     _needs_cuda_build()
     varlen = attention.varlen_attention
 
-    def planted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: attention.DocumentMask) -> torch.Tensor:
-        return varlen(q, k, v, mask) * torch.ones(q.shape[-1])  # planted: host tensor
+    def planted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: attention.DocumentMask,
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        return varlen(q, k, v, mask, window, sinks) * torch.ones(q.shape[-1])  # planted: host tensor
 
     monkeypatch.setitem(attention._FUNCTIONS, "varlen", planted)
     check = check_cuda(_config(), 1)  # type: ignore[arg-type]
