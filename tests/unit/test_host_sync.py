@@ -208,6 +208,7 @@ CASES: dict[str, Any] = {
     "full-ac": lambda tmp: {"model": {"arch": tiny_llama().model_dump(), "ac": {"mode": "full"}}},
     "moe-grouped": lambda tmp: {"model": {"arch": tiny_glm().model_dump(), "moe_balance": {"seq_aux_coeff": 1e-3}}},
     "moe-loop": lambda tmp: {"model": {"arch": tiny_glm().model_dump()}},
+    "moe-expert-groups": lambda tmp: {"model": {"arch": tiny_glm(n_group=4, topk_group=2).model_dump()}},
     "moe-research-options": lambda tmp: {
         "model": {
             "arch": tiny_glm(
