@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from lmforge.config.rope import RopeScaling
+from lmforge.config.rope import RopeScaling, split_rope_parameters
 
 LayerType = Literal["full_attention", "sliding_attention"]
 """The attention of one decoder block, as transformers' `layer_types` name it."""
@@ -98,33 +98,8 @@ class _ArchBase(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _split_rope_parameters(cls, data: Any) -> Any:
-        """`rope_parameters` (transformers 5's one table for the base, the partial factor and the scaling) into
-        the fields `rope_theta`, `partial_rotary_factor` and `rope_scaling`."""
-        if not isinstance(data, dict) or "rope_parameters" not in data:
-            return data
-        data = dict(data)
-        params = data.pop("rope_parameters")
-        if not isinstance(params, dict):
-            raise ValueError(f"rope_parameters must be a table, got {params!r}")
-        params = dict(params)
-        for key in ("rope_theta", "partial_rotary_factor"):
-            if key not in params:
-                continue
-            value = params.pop(key)
-            if key not in cls.model_fields and value == 1.0:
-                continue  # a whole-head rotation, which every family computes
-            if key in data and data[key] != value:
-                raise ValueError(f"rope_parameters.{key} {value} contradicts {key} {data[key]}")
-            data[key] = value
-        rope_type = params.get("rope_type", "default")
-        if rope_type == "default":
-            if set(params) - {"rope_type"}:
-                raise ValueError(f"rope_parameters of rope_type 'default' take no {', '.join(sorted(params))}")
-        elif "rope_scaling" in data:
-            raise ValueError("give the scaling in rope_scaling or in rope_parameters, not both")
-        else:
-            data["rope_scaling"] = params
-        return data
+        """A `rope_parameters` table into the fields it stands for (`split_rope_parameters`)."""
+        return split_rope_parameters(data, "partial_rotary_factor" in cls.model_fields)
 
     @model_validator(mode="after")
     def _check_heads(self) -> _ArchBase:

@@ -107,3 +107,34 @@ class RopeScaling(BaseModel):
 def rope_fields_of(rope_type: str) -> frozenset[str]:
     """The fields (besides `rope_type`) a scaling kind reads; empty for a kind lmforge does not compute."""
     return _FIELDS_OF.get(rope_type, frozenset())
+
+
+def split_rope_parameters(data: Any, partial_rotary: bool) -> Any:
+    """An architecture's raw fields with `rope_parameters` (transformers 5's one table for the base, the partial
+    rotary factor and the scaling) split into `rope_theta`, `partial_rotary_factor` (for a family that has it:
+    `partial_rotary`) and `rope_scaling`; other input is returned as it is."""
+    if not isinstance(data, dict) or "rope_parameters" not in data:
+        return data
+    data = dict(data)
+    params = data.pop("rope_parameters")
+    if not isinstance(params, dict):
+        raise ValueError(f"rope_parameters must be a table, got {params!r}")
+    params = dict(params)
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key not in params:
+            continue
+        value = params.pop(key)
+        if key == "partial_rotary_factor" and not partial_rotary and value == 1.0:
+            continue  # a whole-head rotation, which every family computes
+        if key in data and data[key] != value:
+            raise ValueError(f"rope_parameters.{key} {value} contradicts {key} {data[key]}")
+        data[key] = value
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        if set(params) - {"rope_type"}:
+            raise ValueError(f"rope_parameters of rope_type 'default' take no {', '.join(sorted(params))}")
+    elif "rope_scaling" in data:
+        raise ValueError("give the scaling in rope_scaling or in rope_parameters, not both")
+    else:
+        data["rope_scaling"] = params
+    return data

@@ -41,7 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lmforge.model.cpu_attention import band_bias, cpu_segment_attention, equal_length_runs
+from lmforge.model.cpu_attention import cpu_segment_attention, equal_length_runs
+from lmforge.model.masks import band_bias, causal_band, padded_values, window_allows
 from lmforge.model.sinks import masked_sink_attention, sink_scale
 
 BACKENDS = ("flash", "varlen", "flex", "sdpa", "sdpa_loop")
@@ -111,22 +112,6 @@ def _from_bhtd(x: Tensor) -> Tensor:
     return x.squeeze(0).transpose(0, 1)
 
 
-def padded_values(v: Tensor, qk_dim: int) -> Tensor:
-    """v [..., Dv] with zero channels up to the query/key head dim, for the kernels that take one head dim for q, k
-    and v (the CPU flash kernel, the varlen kernels). The extra output channels are zero and are cut off after the
-    call; their gradients never reach v. Multi-head latent attention's value heads are narrower than its query/key
-    heads; wider value heads would change the kernel's softmax scale, and are refused."""
-    if v.shape[-1] > qk_dim:
-        raise ValueError(f"value heads of {v.shape[-1]} channels are wider than the {qk_dim} of queries and keys")
-    return v if v.shape[-1] == qk_dim else F.pad(v, (0, qk_dim - v.shape[-1]))
-
-
-def window_allows(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor | bool:
-    """Whether key row position k_pos is within the sliding window of query row position q_pos (broadcast; True
-    without a window). Together with "same segment, not after the query" it is the windowed document mask."""
-    return True if window is None else (q_pos - k_pos) < window
-
-
 def dense_document_mask(mask: DocumentMask, window: int | None = None) -> Tensor:
     """Boolean [T, T] mask: True where query i may attend to key j (same segment, j <= i, i - j < window)."""
     key = f"dense:{window}"
@@ -179,9 +164,7 @@ def sdpa_loop_attention(
         # [count * length, heads, dim] -> [count, heads, length, dim]: one batch entry per segment.
         qs, ks, vs = (x[part].unflatten(0, (count, length)).transpose(1, 2) for x in (q, k, v))
         if sinks is not None:
-            pos = torch.arange(length, device=q.device)
-            allowed = (pos[:, None] >= pos[None, :]) & window_allows(pos[:, None], pos[None, :], window)
-            out = masked_sink_attention(qs, ks, vs, allowed, sinks)
+            out = masked_sink_attention(qs, ks, vs, causal_band(length, window, q.device), sinks)
         elif window is not None and length > window:
             band = band_bias(length, window, q.dtype, q.device)
             out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=band, enable_gqa=gqa)

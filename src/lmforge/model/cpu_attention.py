@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lmforge.model.masks import band_bias
+
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -75,15 +77,6 @@ def plan(doc_lens: list[int]) -> list[Run]:
         runs.append(Run(start, length, count))
         start += length * count
     return runs
-
-
-def band_bias(length: int, window: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Additive [length, length] mask of a causal sliding window: 0 where query i may attend key j (i - window <
-    j <= i), -inf elsewhere."""
-    pos = torch.arange(length, device=device)
-    offset = pos[:, None] - pos[None, :]
-    allowed = (offset >= 0) & (offset < window)
-    return torch.zeros(length, length, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
 
 
 def _masks(runs: list[Run], window: int | None, q: Tensor) -> list[Tensor | None]:

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from lmforge.model.attention import window_allows
 from lmforge.model.hyper_connections import HyperConnection, collapse_stream, expand_stream, stream_rate
 from lmforge.model.llama import CausalLM, DecoderLayer
+from lmforge.model.masks import window_allows
 from lmforge.model.rotary import rotary_cos_sin
 
 

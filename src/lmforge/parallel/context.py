@@ -31,13 +31,12 @@ from lmforge.model.attention import (
     DocumentMask,
     compiled_flex,
     flash_call,
-    padded_values,
     refuse_sinks,
     resolve_backend,
     varlen_call,
-    window_allows,
 )
 from lmforge.model.llama import CausalLM
+from lmforge.model.masks import padded_values, window_allows
 from lmforge.model.seq_balance import TokenSplit
 from lmforge.model.sinks import masked_sink_attention, sink_scale
 
