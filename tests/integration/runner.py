@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lmforge.monitor import read_metrics
-from tests.conftest import arch_toml, tiny_llama
+from tests.conftest import arch_toml, require, tiny_llama
 
 TINY_ARCH = arch_toml(tiny_llama(max_position_embeddings=256))
 """The tiny Llama of the CLI tests (`tests.conftest.tiny_llama`), as a TOML section."""
@@ -93,3 +94,17 @@ def same_curves(one: Path, runs: dict[str, Path], keys: tuple[str, ...], steps: 
         assert len(want) == steps, key
         for name, run in runs.items():
             assert curve(run, key) == pytest.approx(want, rel=1e-5, abs=1e-6), (name, key)
+
+
+def exported_logits_gap(run: Path, model: torch.nn.Module, folder: Path) -> float:
+    """Export `run` with `lmforge export` (float32) into `folder`, load that with transformers, and return the
+    largest logit difference from `model` (the run's model as lmforge loads it) on 48 random token ids."""
+    transformers = require("transformers")
+    exported = run_cli(["export", str(run), "--output", str(folder), "--dtype", "float32"])
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(0, 200, (1, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(ids, torch.arange(48)[None], torch.tensor([48], dtype=torch.int32))
+        theirs = hf(input_ids=ids).logits
+    return (ours - theirs).abs().max().item()

@@ -30,8 +30,16 @@ output_dir = "{out}"
 name = "{tok}"
 
 """
-    + arch_toml(tiny_llama(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                           num_key_value_heads=1, max_position_embeddings=64))
+    + arch_toml(
+        tiny_llama(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+        )
+    )
     + """
 [data]
 type = "tokens"

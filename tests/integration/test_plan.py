@@ -86,6 +86,17 @@ def test_suggests_a_micro_batch_that_fits(tmp_path: Path) -> None:
     assert "--data.micro_batch_tokens 8192" in result.stderr
 
 
+def test_gpt_oss_plans_flex_attention_for_its_sinks_under_cp_and_ep(tmp_path: Path) -> None:
+    result, plan = _plan(tmp_path, "@", "examples/pretrain/gpt-oss.toml", "--gpus", "8", "--parallel.cp", "2",
+                         "--parallel.ep", "4", "--data.batch_tokens", "16384")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    # No varlen kernel computes sinks: the run takes flex attention, which the plan traces by its footprint.
+    assert plan["choices"]["attention"].startswith("flex")
+    assert any("flex attention has no backward on CPU" in note for note in plan["notes"])
+    assert plan["flops_per_step"] > plan["flops_6nd_per_step"]  # the attention formula's share is in
+    assert plan["collectives"]["all_to_all"]["calls"] > 0 and plan["collectives"]["all_gather"]["calls"] > 0
+
+
 def test_moe_with_expert_parallelism_and_muon(tmp_path: Path) -> None:
     result, plan = _plan(tmp_path, "@", "examples/pretrain/moe.toml", "--gpus", "8", "--parallel.ep", "8",
                          "--data.batch_tokens", "16384")  # fmt: skip

@@ -144,4 +144,3 @@ def test_auto_on_cuda_without_varlen_runs_equal_segments_as_one_causal_call() ->
     assert choose_backend([4096], cuda) == "sdpa_loop"
     assert choose_backend([512] * 8, cuda) == "sdpa_loop"  # whole windows, no document masking
     assert choose_backend([512, 300, 212], cuda) == "flex"
-

@@ -18,6 +18,7 @@ from lmforge.config.hf_config import (
     generation_config,
     read_hf_config,
 )
+from lmforge.hf.names import export_tensors
 from lmforge.hf.weights import INDEX_FILE, SINGLE_FILE, load_hf_weights, write_safetensors
 from lmforge.model import build_model
 from lmforge.model.init import init_weights
@@ -39,14 +40,17 @@ def ctx() -> Iterator[DistContext]:
     yield init_distributed()
 
 
-def _lmforge(arch: LlamaArch | Qwen3Arch, vocab: int = VOCAB, seed: int = 3) -> CausalLM:
+def _lmforge(arch: AnyArch, vocab: int = VOCAB, seed: int = 3) -> CausalLM:
     model = build_model(arch, vocab, "sdpa", CPU)
     init_weights(model, 0.05, seed=seed)
-    # Norm scales start at one; random ones catch a norm loaded into the wrong slot.
+    # Norm scales start at one and biases and sinks at zero; random ones catch a tensor loaded into the wrong slot.
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
+                param.copy_(torch.rand(param.shape, generator=gen) + 0.5)
+            elif name.endswith(("bias", ".sinks")):
+                param.copy_(torch.rand(param.shape, generator=gen) * 0.2 - 0.1)
     return model.eval()
 
 
@@ -55,10 +59,7 @@ def _export(model: CausalLM, folder: Path, max_shard_bytes: int = 5 * 2**30) -> 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     (folder / "generation_config.json").write_text(json.dumps(generation_config(1, 2, 0)))
-    state = model.state_dict()
-    if model.arch.tie_word_embeddings:
-        del state["lm_head.weight"]
-    return write_safetensors(state, folder, max_shard_bytes)
+    return write_safetensors(export_tensors(model), folder, max_shard_bytes)
 
 
 def _logits(model: torch.nn.Module, ids: torch.Tensor, hf: bool) -> torch.Tensor:
@@ -106,8 +107,9 @@ def test_config_has_the_keys_transformers_writes(arch: LlamaArch | Qwen3Arch, tm
     # The top-level rope_theta and rope_scaling are for transformers 4, which reads no rope_parameters; 5 folds
     # them into those.
     assert {k: v for k, v in ours.items() if k not in ("rope_theta", "rope_scaling")} == theirs
-    assert ours.get("rope_scaling") == (None if arch.rope_scaling is None else
-                                        {k: v for k, v in ours["rope_parameters"].items() if k != "rope_theta"})
+    assert ours.get("rope_scaling") == (
+        None if arch.rope_scaling is None else {k: v for k, v in ours["rope_parameters"].items() if k != "rope_theta"}
+    )
     assert ours["rope_theta"] == ours["rope_parameters"]["rope_theta"] == arch.rope_theta
 
 
@@ -241,7 +243,7 @@ def write_hf_config(folder: Path, arch: AnyArch | None = None, **changes: object
     [
         (
             {"model_type": "mistral"},
-            r"'mistral' is not supported; supported: glm4_moe, llama, lmforge_moe, qwen3, qwen3_moe",
+            r"'mistral' is not supported; supported: glm4_moe, gpt_oss, llama, lmforge_moe, qwen3, qwen3_moe",
         ),
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
         ({"mlp_bias": True}, r"mlp_bias"),

@@ -40,7 +40,7 @@ from tests.host_sync import HostSyncDetector, checked
 from tests.shards import random_docs, word_tokenizer, write_shard
 from tests.spawn import free_port, join_as_rank, run_ranks
 from tests.unit.test_micro_batches import make_batches
-from tests.unit.test_moe import tiny_glm
+from tests.unit.test_moe import tiny_glm, tiny_gpt_oss
 
 CPU = torch.device("cpu")
 
@@ -209,6 +209,8 @@ CASES: dict[str, Any] = {
     "moe-grouped": lambda tmp: {"model": {"arch": tiny_glm().model_dump(), "moe_balance": {"seq_aux_coeff": 1e-3}}},
     "moe-loop": lambda tmp: {"model": {"arch": tiny_glm().model_dump()}},
     "moe-expert-groups": lambda tmp: {"model": {"arch": tiny_glm(n_group=4, topk_group=2).model_dump()}},
+    # sinks, sliding windows, YaRN, biased router and experts with the clamped SwiGLU
+    "gpt-oss": lambda tmp: {"model": {"arch": tiny_gpt_oss().model_dump()}},
     "moe-research-options": lambda tmp: {
         "model": {
             "arch": tiny_glm(

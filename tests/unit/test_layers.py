@@ -212,7 +212,9 @@ def test_the_checks_see_what_they_forbid() -> None:
     # A deep import loads every package above the module: a carve-out for `lmforge.model.x` would still run
     # `lmforge/model/__init__.py`.
     assert list(_loaded("lmforge.train.callbacks.order")) == [
-        "lmforge.train", "lmforge.train.callbacks", "lmforge.train.callbacks.order"
+        "lmforge.train",
+        "lmforge.train.callbacks",
+        "lmforge.train.callbacks.order",
     ]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []

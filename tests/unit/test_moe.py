@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from lmforge.config.arch import Glm4MoeArch, MoESpec, Qwen3MoeArch
+from lmforge.config.arch import Glm4MoeArch, GptOssArch, Qwen3MoeArch
+from lmforge.config.arch_base import MoESpec
 from lmforge.model import build_model
 from lmforge.model.attention import DocumentMask
 from lmforge.model.completep import completep_scale
@@ -60,6 +61,27 @@ def tiny_qwen3_moe(**overrides: object) -> Qwen3MoeArch:
     }
     fields.update(overrides)
     return Qwen3MoeArch(**fields)
+
+
+def tiny_gpt_oss(**overrides: object) -> GptOssArch:
+    """A 3-layer gpt-oss (sliding, full, sliding) with a 5-key window, YaRN that does not truncate, and a SwiGLU
+    clamp low enough that tiny weights reach it."""
+    fields: dict[str, object] = {
+        "hidden_size": HIDDEN,
+        "intermediate_size": 32,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 512,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 5,
+        "swiglu_limit": 0.4,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "truncate": False},
+    }
+    fields.update(overrides)
+    return GptOssArch(**fields)
 
 
 def _spec(score_func: str, shared: int, norm: bool, scale: float = 1.0, experts: int = 8) -> MoESpec:

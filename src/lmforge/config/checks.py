@@ -91,7 +91,7 @@ def expert_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
     problems = []
     if world_size % ep:
         problems.append(("parallel.ep", f"{ep} does not divide the world size {world_size}"))
-    experts = getattr(arch, "n_routed_experts", None) or getattr(arch, "num_experts", None)
+    experts = arch.moe.num_experts if arch.moe is not None else None
     if experts is None:
         problems.append(("parallel.ep", f"{ep} needs a mixture-of-experts model (model_type {arch.model_type!r} has "
                          "no routed experts)"))  # fmt: skip

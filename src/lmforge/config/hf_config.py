@@ -1,12 +1,13 @@
-"""Mapping between the architecture configs and the Hugging Face `config.json` of a Llama, Qwen3, GLM-4.5 MoE or
-Qwen3-MoE model.
+"""Mapping between the architecture configs and the Hugging Face `config.json` of a Llama, Qwen3, GLM-4.5 MoE, Qwen3-MoE
+or gpt-oss model.
 
-`arch_to_hf_config` writes the keys `transformers` itself saves for `LlamaConfig` / `Qwen3Config` /
-`Glm4MoeConfig` / `Qwen3MoeConfig`, with the RoPE base (and GLM's partial rotary factor, and any RoPE scaling) both
-in `rope_parameters` (read by transformers 5) and at the top level (`rope_theta`, `rope_scaling`: read by
-transformers 4). `read_hf_config` accepts only what the lmforge decoder computes exactly: SiLU MLPs without bias,
-RoPE plain or scaled (`linear`, `llama3`, `yarn`; partial for GLM-4.5), full attention in every layer, ungrouped MoE
-routing and, for Qwen3-MoE, an MoE block in every layer. Anything else fails with the file and field at fault.
+`arch_to_hf_config` writes the keys `transformers` itself saves for `LlamaConfig` / `Qwen3Config` / `Glm4MoeConfig` /
+`Qwen3MoeConfig` / `GptOssConfig`, with the RoPE base (and GLM's partial rotary factor, and any RoPE scaling) both in
+`rope_parameters` (read by transformers 5) and at the top level (`rope_theta`, `rope_scaling`: read by transformers 4).
+`read_hf_config` accepts only what the lmforge decoder computes exactly: SiLU MLPs without bias, RoPE plain or scaled
+(`linear`, `llama3`, `yarn`; partial for GLM-4.5), full or sliding-window attention per layer, and, for Qwen3-MoE, an
+MoE block in every layer; gpt-oss's weights unquantized (not MXFP4). Anything else fails with the file and field at
+fault.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from lmforge.config.arch import AnyArch, Glm4MoeArch, LlamaArch, Qwen3Arch, Qwen3MoeArch
+from lmforge.config.arch import AnyArch, Glm4MoeArch, GptOssArch, LlamaArch, Qwen3Arch, Qwen3MoeArch
 from lmforge.config.rope import rope_fields_of
 
 CONFIG_NAME = "config.json"
@@ -41,6 +42,7 @@ _CLASS_NAMES = {
     "qwen3": "Qwen3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     RESEARCH_MODEL_TYPE: "LmforgeMoeForCausalLM",
 }
 _ARCH_CLASSES: dict[str, type[AnyArch]] = {
@@ -48,6 +50,7 @@ _ARCH_CLASSES: dict[str, type[AnyArch]] = {
     "qwen3": Qwen3Arch,
     "glm4_moe": Glm4MoeArch,
     "qwen3_moe": Qwen3MoeArch,
+    "gpt_oss": GptOssArch,
     RESEARCH_MODEL_TYPE: Glm4MoeArch,
 }
 _GLM_TYPES = ("glm4_moe", RESEARCH_MODEL_TYPE)
@@ -61,6 +64,7 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": 128},
     "glm4_moe": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "head_dim": None},
     "qwen3_moe": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": None},
+    "gpt_oss": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 150000.0, "head_dim": 64},
 }
 _HF_DEFAULTS[RESEARCH_MODEL_TYPE] = _HF_DEFAULTS["glm4_moe"]
 
@@ -86,9 +90,21 @@ _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     },
+    "gpt_oss": {
+        "num_local_experts": 128,
+        "num_experts_per_tok": 4,
+        "sliding_window": 128,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+    },
 }
 _MOE_DEFAULTS[RESEARCH_MODEL_TYPE] = _MOE_DEFAULTS["glm4_moe"]
 _GLM_PARTIAL_ROTARY = 0.5  # transformers' Glm4MoeConfig default
+# transformers' GptOssConfig scaling when config.json has neither rope_parameters nor rope_scaling.
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}  # fmt: skip
+_ATTENTION_BIAS_DEFAULT = {"gpt_oss": True}
+"""attention_bias of an HF config that leaves it out, where transformers' default is not false."""
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -124,8 +140,8 @@ def arch_to_hf_config(
     dtype: str,
     init_std: float = 0.02,
 ) -> dict[str, Any]:
-    """The complete `config.json` of `arch` as a `LlamaForCausalLM`, `Qwen3ForCausalLM`, `Glm4MoeForCausalLM` or
-    `Qwen3MoeForCausalLM`, keys sorted."""
+    """The complete `config.json` of `arch` as a `LlamaForCausalLM`, `Qwen3ForCausalLM`, `Glm4MoeForCausalLM`,
+    `Qwen3MoeForCausalLM` or `GptOssForCausalLM`, keys sorted."""
     if dtype not in _EXPORT_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_EXPORT_DTYPES)}; got {dtype!r}")
     research = isinstance(arch, Glm4MoeArch) and bool(arch.research_options)
@@ -158,6 +174,8 @@ def arch_to_hf_config(
     }
     if arch.rope_scaling is not None:
         config["rope_scaling"] = arch.rope_scaling.hf_parameters()  # transformers 4's key for the scaling
+    elif isinstance(arch, GptOssArch):
+        config["rope_scaling"] = None  # transformers 4's GptOssConfig would otherwise default to YaRN
     config.update(_family_keys(arch))
     if research:
         config.update({key: getattr(arch, key) for key in RESEARCH_KEYS})
@@ -173,6 +191,11 @@ def _family_keys(arch: AnyArch) -> dict[str, Any]:
         return {"mlp_bias": False, "use_sliding_window": arch.use_sliding_window,
                 "sliding_window": arch.sliding_window if arch.use_sliding_window else None,
                 "max_window_layers": arch.max_window_layers, "layer_types": arch.block_attention}  # fmt: skip
+    if isinstance(arch, GptOssArch):
+        return {"num_local_experts": arch.num_local_experts, "num_experts_per_tok": arch.num_experts_per_tok,
+                "sliding_window": arch.sliding_window, "layer_types": arch.block_attention,
+                "swiglu_alpha": arch.swiglu_alpha, "swiglu_limit": arch.swiglu_limit, "router_aux_loss_coef": 0.001,
+                "output_router_logits": False}  # fmt: skip
     moe = {"moe_intermediate_size": arch.moe_intermediate_size, "num_experts_per_tok": arch.num_experts_per_tok,
            "norm_topk_prob": arch.norm_topk_prob, "output_router_logits": False}  # fmt: skip
     if isinstance(arch, Qwen3MoeArch):
@@ -210,8 +233,8 @@ def generation_config(bos_id: int | None, eos_id: int | None, pad_id: int | None
 
 
 def read_hf_config(folder: Path) -> HFModelInfo:
-    """Read `folder/config.json` of a Llama, Qwen3, GLM-4.5 MoE or Qwen3-MoE model into an architecture lmforge
-    can build exactly."""
+    """Read `folder/config.json` of a Llama, Qwen3, GLM-4.5 MoE, Qwen3-MoE or gpt-oss model into an architecture
+    lmforge can build exactly."""
     folder = Path(folder)
     if not folder.is_dir():
         raise HFModelError(f"{folder}: no such model folder")
@@ -240,10 +263,13 @@ def read_hf_config(folder: Path) -> HFModelInfo:
     for key, default in defaults.items():
         fields[key] = raw[key] if raw.get(key) is not None else default
     fields["rope_theta"] = _rope_theta(raw, defaults["rope_theta"])
-    fields["rope_scaling"] = _rope_scaling(raw, fields["max_position_embeddings"])
+    rope_raw = raw
+    if model_type == "gpt_oss" and raw.get("rope_scaling") is None and raw.get("rope_parameters") is None:
+        rope_raw = {**raw, "rope_scaling": _GPT_OSS_ROPE}
+    fields["rope_scaling"] = _rope_scaling(rope_raw, fields["max_position_embeddings"])
     fields["num_key_value_heads"] = raw.get("num_key_value_heads")
     fields["tie_word_embeddings"] = raw.get("tie_word_embeddings", False)
-    fields["attention_bias"] = raw.get("attention_bias", False)
+    fields["attention_bias"] = raw.get("attention_bias", _ATTENTION_BIAS_DEFAULT.get(model_type, False))
     fields.update(_moe_fields(raw, model_type))
     try:
         arch = _ARCH_CLASSES[model_type](**fields)
@@ -270,6 +296,11 @@ def _moe_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
               for key, default in _MOE_DEFAULTS.get(model_type, {}).items()}  # fmt: skip
     if model_type == "qwen3_moe" and raw.get("num_experts") is None and raw.get("num_local_experts") is not None:
         fields["num_experts"] = raw["num_local_experts"]  # transformers 5 saves the attribute-mapped name
+    if model_type == "gpt_oss":
+        if raw.get("num_local_experts") is None and raw.get("num_experts") is not None:
+            fields["num_local_experts"] = raw["num_experts"]
+        if raw.get("layer_types") is not None:
+            fields["layer_types"] = tuple(raw["layer_types"])
     if model_type == RESEARCH_MODEL_TYPE:
         fields.update({key: raw[key] for key in RESEARCH_KEYS if raw.get(key) is not None})
     if model_type in ("qwen3", "qwen3_moe"):
@@ -326,7 +357,19 @@ def _check_supported(raw: dict[str, Any], path: Path) -> None:
                                f"{rope_type!r}")  # fmt: skip
     if not glm and raw.get("partial_rotary_factor", 1.0) != 1.0:
         raise HFModelError(f"{path}: partial_rotary_factor {raw['partial_rotary_factor']!r} is not supported")
-    if raw["model_type"] in ("qwen3", "qwen3_moe"):
+    if raw.get("quantization_config") is not None:
+        quant = raw["quantization_config"]
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        raise HFModelError(
+            f"{path}: quantization_config ({method or 'unknown method'}) is not supported; lmforge loads unquantized "
+            "weights: save a dequantized copy first (for gpt-oss's MXFP4 weights, transformers' "
+            "Mxfp4Config(dequantize=True))"
+        )
+    windows = raw.get("layer_types") or ["sliding_attention"]  # transformers' default alternates
+    if raw["model_type"] == "gpt_oss" and "sliding_attention" in windows and not raw.get("sliding_window", 128):
+        raise HFModelError(f"{path}: layer_types has sliding_attention layers but sliding_window is "
+                           f"{raw.get('sliding_window')!r}")  # fmt: skip
+    if raw["model_type"] in ("qwen3", "qwen3_moe", "gpt_oss"):
         if raw.get("use_sliding_window") and not raw.get("sliding_window"):
             window = raw.get("sliding_window")
             raise HFModelError(f"{path}: use_sliding_window is true but sliding_window is {window!r}")
@@ -338,7 +381,7 @@ def _check_supported(raw: dict[str, Any], path: Path) -> None:
                 f"full_attention and sliding_attention"
             )
         windowed = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
-        if windowed and not raw.get("use_sliding_window"):
+        if windowed and not raw.get("use_sliding_window") and raw["model_type"] != "gpt_oss":
             # transformers gives such blocks no window; lmforge will not guess what was meant.
             raise HFModelError(
                 f"{path}: layer_types marks layer {windowed[0]} sliding_attention but use_sliding_window is false"

@@ -5,6 +5,11 @@ gate rows first, and `mlp.experts.down_proj` [E, H, I], as transformers 5 holds 
 expert in HF checkpoint files (`mlp.experts.{e}.gate_proj.weight` [I, H], `up_proj` [I, H], `down_proj` [H, I]),
 which every transformers version, vLLM and SGLang read; transformers 5 saves that layout too. Loading also accepts
 the stacked names (a transformers 5 save with `save_original_format=False`).
+
+gpt-oss checkpoints keep their experts stacked, in their own layout (`GPT_OSS_LAYOUT`): `mlp.experts.gate_up_proj`
+[E, H, 2I] with the gate and up columns interleaved (gate 2i, up 2i + 1), its bias `gate_up_proj_bias` [E, 2I]
+interleaved alike, `down_proj` [E, I, H] and `down_proj_bias` [E, H]; the router is `mlp.router` (lmforge's
+`mlp.gate`).
 """
 
 from __future__ import annotations
@@ -29,13 +34,16 @@ class Source:
 
     names: tuple[str, ...]
     """Checkpoint tensor names, in the order `assemble` takes them."""
-    kind: Literal["same", "gate_up", "stack"]
+    kind: Literal["same", "gate_up", "stack", "transpose", "interleaved", "interleaved_t"]
     """`same`: one tensor as is; `gate_up`: per-expert gate and up matrices (g0, u0, g1, u1, ...) concatenated and
-    stacked; `stack`: per-expert matrices stacked."""
+    stacked; `stack`: per-expert matrices stacked; gpt-oss's stacks: `transpose` (the last two dimensions swapped),
+    `interleaved` (gate and up alternating along the last dimension), `interleaved_t` (both)."""
 
     def piece_shapes(self, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
         """The shape each checkpoint tensor must have for a model tensor of `shape`."""
-        if self.kind == "same":
+        if self.kind in ("transpose", "interleaved_t"):
+            return [(shape[0], shape[2], shape[1])]
+        if self.kind in ("same", "interleaved"):
             return [shape]
         if self.kind == "gate_up":
             return [(shape[1] // 2, shape[2])] * len(self.names)
@@ -45,9 +53,52 @@ class Source:
         """The model tensor from its checkpoint tensors."""
         if self.kind == "same":
             return pieces[0]
+        if self.kind in GPT_OSS_TO_MODEL:
+            return GPT_OSS_TO_MODEL[self.kind](pieces[0])
         if self.kind == "gate_up":
             return torch.stack([torch.cat(pieces[i : i + 2]) for i in range(0, len(pieces), 2)])
         return torch.stack(pieces)
+
+
+def _interleave(t: Tensor) -> Tensor:
+    """[..., 2I] gate half first -> gate and up alternating (gate i at 2i, up i at 2i + 1)."""
+    return t.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
+
+
+def _deinterleave(t: Tensor) -> Tensor:
+    """The inverse of `_interleave`."""
+    return t.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+GPT_OSS_TO_MODEL = {
+    "transpose": lambda t: t.transpose(1, 2).contiguous(),
+    "interleaved": _deinterleave,
+    "interleaved_t": lambda t: _deinterleave(t).transpose(1, 2).contiguous(),
+}
+"""gpt-oss checkpoint layout -> model layout, by `Source.kind`."""
+
+GPT_OSS_TO_FILE = {
+    "transpose": lambda t: t.transpose(1, 2).contiguous(),
+    "interleaved": _interleave,
+    "interleaved_t": lambda t: _interleave(t.transpose(1, 2)).contiguous(),
+}
+"""Model layout -> gpt-oss checkpoint layout, by `Source.kind`."""
+
+GPT_OSS_LAYOUT = {
+    ".mlp.experts.gate_up_proj": "interleaved_t",
+    ".mlp.experts.gate_up_proj_bias": "interleaved",
+    ".mlp.experts.down_proj": "transpose",
+}
+"""The gpt-oss expert tensors whose checkpoint layout differs from the model's (by name suffix)."""
+
+
+def gpt_oss_name(name: str) -> tuple[str, str]:
+    """A model tensor's gpt-oss checkpoint name and `Source.kind`: the router is `mlp.router`, three expert stacks
+    have their own layout (`GPT_OSS_LAYOUT`), everything else is the same."""
+    for suffix, kind in GPT_OSS_LAYOUT.items():
+        if name.endswith(suffix):
+            return name, kind
+    return name.replace(".mlp.gate.", ".mlp.router."), "same"
 
 
 def persistent_buffers(model: nn.Module) -> dict[str, Tensor]:
@@ -60,11 +111,16 @@ def persistent_buffers(model: nn.Module) -> dict[str, Tensor]:
     return found
 
 
-def checkpoint_sources(targets: dict[str, Tensor], available: set[str]) -> dict[str, Source]:
+def checkpoint_sources(targets: dict[str, Tensor], available: set[str], model_type: str = "") -> dict[str, Source]:
     """For each model tensor, its source in a checkpoint holding `available` names: the same name, or for routed
-    experts the stacked name when present, else the per-expert names."""
+    experts the stacked name when present, else the per-expert names; for `model_type` gpt_oss, its own names and
+    layouts (`gpt_oss_name`)."""
     sources: dict[str, Source] = {}
     for name, tensor in targets.items():
+        if model_type == "gpt_oss":
+            hf_name, kind = gpt_oss_name(name)
+            sources[name] = Source((hf_name,), kind)  # type: ignore[arg-type]
+            continue
         if name in available or not name.endswith((_GATE_UP, _DOWN)):
             sources[name] = Source((name,), "same")
             continue
@@ -99,11 +155,12 @@ def fp32_names(model: nn.Module) -> set[str]:
 
 
 def export_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-    """The tensors of an HF checkpoint of `model` (plain, unsharded), by HF name: its state dict without the
-    second name of a tied matrix, routed experts split per expert, cast to `dtype` (None: as they are) except the
-    tensors `fp32_names` keeps."""
+    """The tensors of an HF checkpoint of `model` (plain, unsharded), by HF name: its state dict without the second name
+    of a tied matrix, routed experts split per expert (gpt-oss: stacked, in its layout), cast to `dtype` (None: as they
+    are) except the tensors `fp32_names` keeps."""
     aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(dict(model.named_parameters()))
     keep = fp32_names(model)
+    gpt_oss = getattr(getattr(model, "arch", None), "model_type", "") == "gpt_oss"
     out: dict[str, Tensor] = {}
     for name, tensor in model.state_dict().items():
         if name in aliases:
@@ -111,7 +168,10 @@ def export_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> dict[s
         target = torch.float32 if name in keep else dtype
         t = tensor.detach() if target is None else tensor.detach().to(target)
         prefix = name.rsplit(".", 1)[0]
-        if name.endswith(_GATE_UP):
+        if gpt_oss:
+            hf_name, kind = gpt_oss_name(name)
+            out[hf_name] = GPT_OSS_TO_FILE[kind](t) if kind in GPT_OSS_TO_FILE else t
+        elif name.endswith(_GATE_UP):
             gate, up = t.chunk(2, dim=1)
             for e in range(t.shape[0]):
                 out[f"{prefix}.{e}.gate_proj.weight"] = gate[e].clone()

@@ -361,19 +361,24 @@ def backend_available(name: str, device: torch.device) -> bool:
     return name == "flex"
 
 
-def resolve_backend(name: str, device: torch.device, compiled: bool = False) -> str:
+def resolve_backend(name: str, device: torch.device, compiled: bool = False, sinks: bool = False) -> str:
     """Check that backend `name` can train on `device`, and resolve `auto`: a varlen kernel when the device has
     one (it takes every layout), else `auto` itself, which chooses per row (`choose_backend`). On CUDA, compiled
-    blocks without a varlen kernel get `flex`, which compiles into the block's graph."""
+    blocks without a varlen kernel get `flex`, which compiles into the block's graph. A model with attention
+    `sinks` takes no varlen kernel (`refuse_sinks`): `auto` resolves as if there were none, and naming one is an
+    error."""
     if name == "auto":
-        varlen = [b for b in ("flash", "varlen") if backend_available(b, device)]
+        varlen = [b for b in ("flash", "varlen") if backend_available(b, device) and not sinks]
         if varlen:
             return varlen[0]
-        return "flex" if compiled and device.type == "cuda" else "auto"
+        return "flex" if (compiled or sinks) and device.type == "cuda" else "auto"
     if name not in _FUNCTIONS:
         raise ValueError(f"unknown attention backend {name!r}; expected auto or one of {', '.join(BACKENDS)}")
     if not backend_available(name, device):
         raise ValueError(f"attention backend {name!r} cannot train on {device.type}; use 'auto' or 'sdpa'")
+    if sinks and name in ("flash", "varlen"):
+        raise ValueError(f"model.attn = {name!r} cannot compute this architecture's attention sinks (its "
+                         "log-sum-exp carries no gradient); use 'auto' or 'flex'")  # fmt: skip
     return name
 
 

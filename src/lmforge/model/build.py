@@ -22,7 +22,7 @@ def build_model(
     `to_empty` of a meta model, `init_weights` and `load_hf_weights` set the buffers; a DCP load sets the
     selection bias but not the statistics (`CausalLM.reset_moe_stats`).
     """
-    backend = resolve_backend(attn, device, compiled)
+    backend = resolve_backend(attn, device, compiled, arch.attention_sinks)
     with torch.device("meta"):
         model = CausalLM(arch, vocab_size, backend)
     if not meta:

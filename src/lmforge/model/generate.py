@@ -18,6 +18,7 @@ from lmforge.model.hyper_connections import HyperConnection, collapse_stream, ex
 from lmforge.model.llama import CausalLM, DecoderLayer
 from lmforge.model.masks import window_allows
 from lmforge.model.rotary import rotary_cos_sin
+from lmforge.model.sinks import masked_sink_attention
 
 
 class KVCache:
@@ -68,9 +69,11 @@ class KVCache:
         self.length += n
 
 
-def _attend(q: Tensor, keys: Tensor, values: Tensor, start: int, window: int | None) -> Tensor:
+def _attend(q: Tensor, keys: Tensor, values: Tensor, start: int, window: int | None,
+            sinks: Tensor | None = None) -> Tensor:  # fmt: skip
     """q [T, Hq, D] at positions start.., keys/values [Hkv, L, D] -> [T, Hq, D], causal over absolute positions
-    and, with a sliding window, over the `window` positions ending at each query."""
+    and, with a sliding window, over the `window` positions ending at each query; with sinks [Hq], each head's sink
+    logit joins every softmax."""
     t, num_heads, _ = q.shape
     groups = num_heads // keys.shape[0]
     if groups > 1:
@@ -83,6 +86,10 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, start: int, window: int | N
         key_pos = torch.arange(keys.shape[1], device=q.device)[None, :]
         query_pos = torch.arange(start, start + t, device=q.device)[:, None]
         mask = (key_pos <= query_pos) & window_allows(query_pos, key_pos, window)
+    if sinks is not None:
+        allowed = mask if mask is not None else torch.ones(t, keys.shape[1], dtype=torch.bool, device=q.device)
+        out = masked_sink_attention(q.transpose(0, 1)[None], keys[None], values[None], allowed, sinks)
+        return out[0].transpose(0, 1)
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask)
     return out[0].transpose(0, 1)
 
@@ -118,7 +125,7 @@ def forward_with_cache(model: CausalLM, input_ids: Tensor, cache: KVCache) -> Te
             normed = layer.input_layernorm(h)
             q, k, v = attn.qkv(normed, cos, sin)
             keys, values = cache.write(i, k, v)
-            out = _attend(q, keys, values, start, attn.window)
+            out = _attend(q, keys, values, start, attn.window, attn.sinks)
             return attn.output(out.reshape(t, attn.num_heads, attn.head_dim), normed, v)
 
         def mlp(h: Tensor, layer: DecoderLayer = layer) -> Tensor:

@@ -1,8 +1,10 @@
-"""Decoder of the Llama family (Llama, Qwen3, and the MoE decoders GLM-4.5 and Qwen3-MoE) with HF parameter names.
+"""Decoder of the Llama family (Llama, Qwen3, and the MoE decoders GLM-4.5, Qwen3-MoE and gpt-oss) with HF parameter
+names.
 
 Module and parameter names are exactly those of `transformers`' `LlamaForCausalLM` / `Qwen3ForCausalLM` /
 `Glm4MoeForCausalLM` / `Qwen3MoeForCausalLM` (`model.layers.0.self_attn.q_proj.weight`, ...), so a state dict
-moves between the two without renaming. A forward pass takes one packed row and its segment lengths; positions
+moves between the two without renaming; gpt-oss's router and expert layouts differ, and `lmforge.hf.names` maps
+them. A forward pass takes one packed row and its segment lengths; positions
 and attention restart per segment.
 """
 
@@ -56,6 +58,11 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
         self.qk_norm = arch.qk_norm
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if arch.attention_sinks else None
+        """gpt-oss's learned sink logit per query head: a column of every softmax that takes probability mass and
+        contributes no value (`lmforge.model.sinks`)."""
+        self.init_rules = {"sinks": "zero"} if self.sinks is not None else {}
+        """Sinks start at 0: each softmax begins as if one more key with zero score and value were present."""
         self.attention = attention
         self.xsa = bool(getattr(arch, "xsa", False))
         self.gate = getattr(arch, "attn_output_gate", "none")
@@ -89,10 +96,16 @@ class Attention(nn.Module):
             out = out * gate.to(out.dtype)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
+    def local_sinks(self) -> Tensor | None:
+        """The sinks of the heads this rank computes: under tensor parallelism the parameter is split over the
+        heads like the query projection, and attention runs on the local heads."""
+        sinks = self.sinks
+        return sinks.to_local() if isinstance(sinks, DTensor) else sinks
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
         """x [T, hidden] -> [T, hidden]."""
         q, k, v = self.qkv(x, cos, sin)
-        out = self.attention(q, k, v, mask, self.window)
+        out = self.attention(q, k, v, mask, self.window, self.local_sinks())
         return self.output(out.reshape(x.shape[0], self.num_heads, self.head_dim), x, v)
 
 
@@ -102,9 +115,9 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, arch: AnyArch, attention: AttentionFn, index: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_after_scale)
         self.self_attn = Attention(arch, attention, arch.attention_window(index))
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_after_scale)
         spec = arch.moe
         self.mlp: MLP | MoE = (
             MoE(spec, arch.hidden_size)
@@ -143,7 +156,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, attention, i) for i in range(arch.num_hidden_layers))
         self.attention = attention
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_after_scale)
         self.row_split = 1
         """Ranks each row is split over: under context parallelism (`lmforge.parallel.context`) the inputs are this
         rank's T / row_split tokens of a row, and `doc_lens` describes the whole row."""

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lmforge.config.arch import MoESpec
+from lmforge.config.arch_base import MoESpec
 from lmforge.model.attention import DocumentMask
 from lmforge.model.dispatch import ExpertExchange, dispatch_order, inverse_permutation
 from lmforge.model.grouped_mm import grouped_mm
@@ -80,6 +80,8 @@ class Router(nn.Module):
         # Null experts (indices num_experts and up) are scored and chosen like routed ones.
         choices = spec.num_experts + spec.null_experts
         self.weight = nn.Parameter(torch.empty(choices, hidden))
+        # gpt-oss: a learned bias on the logits (trained by gradients, unlike the selection bias).
+        self.bias = nn.Parameter(torch.empty(choices)) if spec.router_bias else None
         if spec.selection_bias:
             # Persistent: it is trained state (by the balancing rule, not by gradients) and HF checkpoints hold it.
             self.register_buffer("e_score_correction_bias", torch.zeros(choices), persistent=True)
@@ -94,7 +96,7 @@ class Router(nn.Module):
     def forward(self, x: Tensor) -> Routing:
         """x [T, hidden] -> the routing of its tokens."""
         spec = self.spec
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         scores = logits.sigmoid() if spec.score_func == "sigmoid" else logits.softmax(dim=-1)
         biased = logits if spec.bias_on_logits else scores
         if self.record_choices and self.training and _counting():
@@ -160,15 +162,21 @@ class Router(nn.Module):
             self.e_score_correction_bias.zero_()
 
 
-ExpertGlu = Literal["swiglu", "situ_glu"]
+ExpertGlu = Literal["swiglu", "situ_glu", "clamped_swiglu"]
 """The routed experts' gated activation (see `glu`)."""
 
 
 def glu(gate: Tensor, up: Tensor, kind: ExpertGlu = "swiglu", betas: tuple[float, float] = (4.0, 25.0)) -> Tensor:
-    """The gated activation of an expert from its gate and up halves: SwiGLU silu(g) x u, or SiTU-GLU (Kimi K3)
-    b1 tanh(g / b1) sigmoid(g) x b2 tanh(u / b2), whose soft caps bound each factor (computed in fp32)."""
+    """The gated activation of an expert from its gate and up halves: SwiGLU silu(g) x u; SiTU-GLU (Kimi K3)
+    b1 tanh(g / b1) sigmoid(g) x b2 tanh(u / b2), whose soft caps bound each factor (computed in fp32); or gpt-oss's
+    clamped SwiGLU with betas = (alpha, limit): g' = min(g, limit), u' = clamp(u, -limit, limit),
+    (u' + 1) x g' sigmoid(alpha g') (in the input's dtype, as transformers computes it)."""
     if kind == "swiglu":
         return F.silu(gate) * up
+    if kind == "clamped_swiglu":
+        alpha, limit = betas
+        gate = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
     b1, b2 = betas
     g, u = gate.float(), up.float()
     return (b1 * torch.tanh(g / b1) * torch.sigmoid(g) * (b2 * torch.tanh(u / b2))).to(gate.dtype)
@@ -183,12 +191,13 @@ class Experts(nn.Module):
     holding its expert."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, null_experts: int = 0,
-                 act: ExpertGlu = "swiglu", betas: tuple[float, float] = (4.0, 25.0)) -> None:  # fmt: skip
+                 act: ExpertGlu = "swiglu", betas: tuple[float, float] = (4.0, 25.0),
+                 bias: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.act: ExpertGlu = act
         """The gated activation (`glu`)."""
         self.betas = betas
-        """SiTU-GLU's soft caps (unused by SwiGLU)."""
+        """The activation's constants: SiTU-GLU's soft caps, the clamped SwiGLU's (alpha, limit); unused by SwiGLU."""
         self.num_experts = num_experts
         """Routed experts of the block (all ranks together)."""
         self.null_experts = null_experts
@@ -197,6 +206,11 @@ class Experts(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        # gpt-oss's expert biases [E, 2I] (gate half first, like the rows of gate_up_proj) and [E, H].
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
+        self.init_rules = {"gate_up_proj_bias": "zero", "down_proj_bias": "zero"} if bias else {}
+        """Expert biases start at zero, like every bias."""
         self.impl: ExpertsImpl = "auto"
         self.expert_offset = 0
         """Global index of the first expert the stacks hold (0 unless expert parallelism keeps a block of them)."""
@@ -208,9 +222,10 @@ class Experts(nn.Module):
     def keep_experts(self, start: int, count: int) -> None:
         """Keep only experts [start, start + count) in the stacks (before FSDP wraps the module; on the meta device
         the stacks just shrink)."""
-        for name in ("gate_up_proj", "down_proj"):
+        for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
             old = getattr(self, name)
-            setattr(self, name, nn.Parameter(old.detach()[start : start + count].clone(), old.requires_grad))
+            if old is not None:
+                setattr(self, name, nn.Parameter(old.detach()[start : start + count].clone(), old.requires_grad))
         self.expert_offset = start
 
     def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
@@ -260,8 +275,19 @@ class Experts(nn.Module):
 
     def _grouped_mm(self, xs: Tensor, counts: Tensor) -> Tensor:
         offsets = counts.cumsum(0).to(torch.int32)
-        gate, up = grouped_mm(xs, self.gate_up_proj.transpose(-2, -1), offsets).chunk(2, dim=-1)
-        return grouped_mm(glu(gate, up, self.act, self.betas), self.down_proj.transpose(-2, -1), offsets)
+        hidden = grouped_mm(xs, self.gate_up_proj.transpose(-2, -1), offsets)
+        row_expert = None
+        if self.gate_up_proj_bias is not None:
+            # Each sorted copy's local expert, found on the device from the group ends (no host read); rows past
+            # the last group are clamped to it and come back undefined anyway.
+            rows = torch.arange(xs.shape[0], device=xs.device, dtype=torch.int32)
+            row_expert = torch.searchsorted(offsets, rows, right=True).clamp_(max=counts.shape[0] - 1)
+            hidden = hidden + self.gate_up_proj_bias[row_expert].to(hidden.dtype)
+        gate, up = hidden.chunk(2, dim=-1)
+        out = grouped_mm(glu(gate, up, self.act, self.betas), self.down_proj.transpose(-2, -1), offsets)
+        if self.down_proj_bias is not None and row_expert is not None:
+            out = out + self.down_proj_bias[row_expert].to(out.dtype)
+        return out
 
     def _loop(self, xs: Tensor, counts: Tensor) -> Tensor:
         # The per-expert reference reads the group sizes on the host: one device sync per MoE layer and forward on
@@ -273,8 +299,12 @@ class Experts(nn.Module):
             if e == len(sizes):
                 outs.append(chunk.new_zeros(rest, self.down_proj.shape[1]))
                 break
-            gate, up = F.linear(chunk, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(glu(gate, up, self.act, self.betas), self.down_proj[e]))
+            gate_up_bias, down_bias = self.gate_up_proj_bias, self.down_proj_bias
+            gate, up = F.linear(chunk, self.gate_up_proj[e], None if gate_up_bias is None else gate_up_bias[e]).chunk(
+                2, dim=-1
+            )
+            outs.append(F.linear(glu(gate, up, self.act, self.betas), self.down_proj[e],
+                                 None if down_bias is None else down_bias[e]))  # fmt: skip
         return torch.cat(outs)
 
 
@@ -311,8 +341,9 @@ class MoE(nn.Module):
         width = spec.latent_size or hidden
         self.latent_down_proj = nn.Linear(hidden, width, bias=False) if spec.latent_size else None
         self.latent_up_proj = nn.Linear(width, hidden, bias=False) if spec.latent_size else None
+        constants = spec.swiglu_clamp if spec.expert_glu == "clamped_swiglu" else spec.situ_betas
         self.experts = Experts(spec.num_experts, width, spec.intermediate_size, spec.null_experts, spec.expert_glu,
-                               spec.situ_betas)  # fmt: skip
+                               constants, spec.expert_bias)  # fmt: skip
         self.shared_experts = (
             MLP(hidden, spec.num_shared_experts * spec.intermediate_size) if spec.num_shared_experts else None
         )

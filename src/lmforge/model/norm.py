@@ -29,20 +29,23 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """weight * (x / rms(x)) over the last dimension, the statistics in fp32 or wider (HF's convention: normalize
-    in fp32, cast back to x's dtype, then scale by the weight)."""
+    """weight * (x / rms(x)) over the last dimension, the statistics in fp32 or wider (HF's Llama convention:
+    normalize in fp32, cast back to x's dtype, then scale by the weight; with `scale_first`, gpt-oss's: scale in fp32,
+    then cast). The backward is the same closed form either way: only the forward's rounding differs."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float, scale_first: bool = False) -> Tensor:
         wide = x.to(_wide(x.dtype))
         norm = torch.linalg.vector_norm(wide, dim=-1, keepdim=True)
         scale = torch.rsqrt(norm.square_().div_(x.shape[-1]).add_(eps))
         ctx.save_for_backward(x, weight, scale)
+        if scale_first:
+            return torch.mul(wide, scale).mul_(weight.to(wide.dtype)).to(x.dtype)
         y = torch.mul(wide, scale).to(x.dtype)
         return y.mul_(weight) if y.dtype == torch.promote_types(y.dtype, weight.dtype) else y * weight
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
         x, weight, scale = ctx.saved_tensors
         wide = x.to(scale.dtype)
         n = x.shape[-1]
@@ -55,16 +58,18 @@ class RMSNormFunction(torch.autograd.Function):
             # sum over rows of g * x * r: the rows' scales times the [rows, hidden] product, as one matrix product.
             rows = (grad_out.to(scale.dtype) * wide).reshape(-1, n)
             grad_weight = torch.mm(scale.reshape(1, -1), rows).reshape(n).to(weight.dtype)
-        return grad_x, grad_weight, None
+        return grad_x, grad_weight, None, None
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in fp32, scaled by a learned weight (HF convention)."""
+    """Root-mean-square norm computed in fp32, scaled by a learned weight (HF convention; `scale_first`: the weight
+    multiplies in fp32 before the cast back, as gpt-oss's norm does)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, scale_first: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.scale_first = scale_first
 
     def forward(self, x: Tensor) -> Tensor:
         """Normalize over the last dimension."""
@@ -73,4 +78,4 @@ class RMSNorm(nn.Module):
             # Tensor parallelism's per-head norms (QK-norm): a replicated scale applied to this rank's heads only,
             # so its gradient here is a partial sum over the group.
             weight = weight.to_local(grad_placements=(Partial(),))
-        return RMSNormFunction.apply(x, weight, self.eps)  # type: ignore[no-any-return]
+        return RMSNormFunction.apply(x, weight, self.eps, self.scale_first)  # type: ignore[no-any-return]

@@ -24,9 +24,9 @@ class ParamCounts:
     """Non-embedding parameters one token uses: dense parts, routers, shared experts and LatentMoE's latent
     projections whole, routed experts times top_k / num_experts."""
     active_matmul: float
-    """Active weights (2-D and stacked 3-D) outside the embedding that a token multiplies, the LM head counted even
-    when tied: N_matmul of the 6 N D FLOP count. Hyper-connection parameters are left out: they are tiny, and their
-    cost (mixing n stream copies) is not one multiply-add per weight and token."""
+    """Active weights (2-D and stacked 3-D, not the stacked expert biases) outside the embedding that a token
+    multiplies, the LM head counted even when tied: N_matmul of the 6 N D FLOP count. Hyper-connection parameters are
+    left out: they are tiny, and their cost (mixing n stream copies) is not one multiply-add per weight and token."""
 
     def metrics(self) -> dict[str, float]:
         """The step-0 `params/*` metrics."""
@@ -59,7 +59,8 @@ def whole_sizes(model: nn.Module, remove_duplicate: bool = True) -> dict[str, in
     sizes = {}
     for name, p in model.named_parameters(remove_duplicate=remove_duplicate):
         owner = model.get_submodule(name.rpartition(".")[0])
-        stacked = isinstance(owner, Experts) and p.ndim == 3
+        # every parameter of an expert module (weights and biases) is a stack along the experts
+        stacked = isinstance(owner, Experts)
         sizes[name] = p.numel() // p.shape[0] * owner.num_experts if stacked else p.numel()
     return sizes
 
@@ -78,6 +79,6 @@ def count_params(model: nn.Module) -> ParamCounts:
             active += n * fractions.get(name, 1.0)
     matmul = 0.0
     for name, n in whole_sizes(model, remove_duplicate=False).items():
-        if ndims[name] >= 2 and param_role(name, ndims[name]) not in ("embed", "hyper"):
+        if ndims[name] >= 2 and param_role(name, ndims[name]) not in ("embed", "hyper", "bias"):
             matmul += n * fractions.get(name, 1.0)
     return ParamCounts(total, embedding, total - embedding, active, matmul)

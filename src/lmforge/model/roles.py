@@ -7,13 +7,15 @@ metrics.
 from __future__ import annotations
 
 ROLES = ("hidden", "residual_out", "expert_hidden", "expert_out", "router", "embed", "head", "norm", "bias", "hyper")
-"""hidden: 2-D matrices inside the blocks that read the residual stream (q/k/v, gate/up projections, shared
-experts' gate/up, LatentMoE's latent_down_proj); residual_out: the matrices that write a block's branch back into
-the residual stream (o_proj, down_proj, LatentMoE's latent_up_proj); expert_hidden / expert_out: the same two kinds
-for the routed experts, stacked 3-D [E, out, in] (`mlp.experts.gate_up_proj` / `mlp.experts.down_proj`); router:
-an MoE block's router matrix (`mlp.gate.weight`); embed: token embedding; head: LM head; norm: norm scales; bias:
-biases; hyper: every parameter of a hyper-connection (`attn_hc.*`, `mlp_hc.*`: connection weights, their dynamic
-projections, scales and norm), trained by AdamW without weight decay whatever the optimizer."""
+"""hidden: 2-D matrices inside the blocks that read the residual stream (q/k/v, gate/up projections, shared experts'
+gate/up, LatentMoE's latent_down_proj); residual_out: the matrices that write a block's branch back into the residual
+stream (o_proj, down_proj, LatentMoE's latent_up_proj); expert_hidden / expert_out: the same two kinds for the routed
+experts, stacked 3-D [E, out, in] (`mlp.experts.gate_up_proj` / `mlp.experts.down_proj`); router: an MoE block's router
+matrix (`mlp.gate.weight`); embed: token embedding; head: LM head; norm: norm scales; bias: biases (the routed experts'
+stacked ones, `gate_up_proj_bias` / `down_proj_bias`, and a router's `mlp.gate.bias` too) and gpt-oss's attention sinks
+(`self_attn.sinks`, one logit per head: additive, like a bias); hyper: every parameter of a hyper-connection
+(`attn_hc.*`, `mlp_hc.*`: connection weights, their dynamic projections, scales and norm), trained by AdamW without
+weight decay whatever the optimizer."""
 
 MATRIX_ROLES = frozenset({"hidden", "residual_out"})
 """The 2-D matrices inside the blocks (Muon's share of the model). The routed experts' 3-D stacks join them per
@@ -36,7 +38,7 @@ def param_role(name: str, ndim: int) -> str:
     """The role of a parameter from its canonical name and number of dimensions."""
     if any(f".{module}." in f".{name}" for module in HYPER_MODULES):
         return "hyper"
-    if name.endswith(".bias"):
+    if name.endswith((".bias", "_bias", ".sinks")):
         return "bias"
     if "embed_tokens" in name:
         return "embed"

@@ -260,11 +260,12 @@ def attend_gathered(
     return out.squeeze(0).transpose(0, 1)  # type: ignore[union-attr]
 
 
-def context_kernel(attn: str, device: torch.device) -> str:
+def context_kernel(attn: str, device: torch.device, sinks: bool = False) -> str:
     """The attention kernel under context parallelism for `model.attn`: the backend it names, or for `auto` the one
     `auto` resolves to that takes a split row (a varlen kernel, else flex attention, on CUDA; SDPA with an explicit
-    mask on the CPU). `sdpa_loop` takes no split row (refused when the config is checked)."""
-    name = resolve_backend(attn, device)
+    mask on the CPU; with attention `sinks`, no varlen kernel). `sdpa_loop` takes no split row (refused when the
+    config is checked)."""
+    name = resolve_backend(attn, device, sinks=sinks)
     if name == "auto":
         name = "flex" if device.type == "cuda" else "sdpa"
     if name not in CP_KERNELS:

@@ -180,7 +180,8 @@ def _rewrap(state: Any, shard: ExpertShard) -> Any:
         return {k: _rewrap(v, shard) for k, v in state.items()}
     if isinstance(state, list):
         return [_rewrap(v, shard) for v in state]
-    if isinstance(state, DTensor) and state.device_mesh == shard.fsdp_mesh and state.ndim == 3:
+    # Only expert modules are sharded over the expert FSDP mesh: their stacks [E/ep, ...] and stacked biases.
+    if isinstance(state, DTensor) and state.device_mesh == shard.fsdp_mesh and state.ndim >= 2:
         return _whole_stack(state, shard)
     return state
 

@@ -97,7 +97,8 @@ def parallelize(
         float8_gather = target.type == "cuda"
         apply_tensor_parallel(model, ctx.tp, expert_parallel=ctx.ep.size > 1, float8_gather=float8_gather)
     if ctx.cp.size > 1:
-        apply_context_parallel(model, replace(ctx.cp, kernel=context_kernel(cfg.attn, target)))
+        kernel = context_kernel(cfg.attn, target, model.arch.attention_sinks)
+        apply_context_parallel(model, replace(ctx.cp, kernel=kernel))
     experts = shard_experts(model, ctx.ep) if ctx.ep.size > 1 else []
     if cfg.ac.mode != "none":
         apply_activation_checkpointing(blocks, cfg.ac.freq, cfg.ac.mode)

@@ -267,4 +267,7 @@ def apply_tensor_parallel(
         attn = block.self_attn
         attn.num_heads //= tp.size
         attn.num_kv_heads //= tp.size
+        if attn.sinks is not None:
+            # one sink logit per query head: split like the heads, each rank's attention reads its own part
+            attn.sinks = nn.Parameter(distribute_tensor(attn.sinks.data, mesh, [Shard(0)]))
     model.tie_weights()  # both halves of a tied pair are split over the vocabulary alike: one parameter again

@@ -34,6 +34,7 @@ from lmforge.parallel.context import shard_micro_batch
 from lmforge.parallel.fsdp import fsdp_wraps, resolve_param_dtype
 from lmforge.parallel.model_setup import build_run_model
 from lmforge.parallel.process_group import DistContext, init_distributed
+from lmforge.plan.attention import stand_in_for_flex
 from lmforge.plan.batches import plan_batches
 from lmforge.plan.collectives import IN_LINE, Collectives, Traffic
 from lmforge.plan.experts import balance_dispatches
@@ -281,6 +282,12 @@ def plan_step(
                 model.tie_weights()
             else:
                 model = build_run_model(config, tokenizer, ctx, target=target)
+            flex = stand_in_for_flex(model)
+            if flex:
+                notes.append(
+                    "flex attention has no backward on CPU tensors: the plan keeps what its kernel keeps "
+                    "for backward (q, k, v, the output, the log-sum-exp) and counts its FLOPs by formula"
+                )
             if balance_dispatches(model):
                 notes.append("expert parallelism: every all-to-all sized as perfectly balanced routing would")
             init = config.model.init
@@ -322,7 +329,7 @@ def plan_step(
         pairs = counter.pairs([mb.doc_lens for mb in rows]) / ctx.cp.size / tp
         flops, dense = counter.step_flops(tokens, pairs)
         compute = step.seconds
-        formula = sorted(n for n in step.uncounted if n in ATTENTION_OPS)
+        formula = sorted(n for n in step.uncounted if n in ATTENTION_OPS) + (["flex_attention"] if flex else [])
         if formula:
             compute += (flops - dense) / gpu.peak_flops
             notes.append(f"attention ({', '.join(formula)}): FLOPs by lmforge's formula over the attended pairs "
