@@ -19,8 +19,18 @@ from lmforge.model.moe import Experts, glu
 from lmforge.model.norm import RMSNorm
 from lmforge.optim.groups import params_by_role
 from tests.conftest import require
-from tests.unit.test_hf import VOCAB, _export, _from_pretrained, _ids, _lmforge, _logits
+from tests.unit.test_hf import (
+    VOCAB,
+    _export,
+    _from_pretrained,
+    _ids,
+    _lmforge,
+    _logits,
+    assert_config_like_transformers,
+    assert_documents_attend_alone,
+)
 from tests.unit.test_moe import tiny_gpt_oss
+from tests.unit.test_moe_export import random_hf_model
 from tests.unit.test_rope_scaling import assert_greedy_equals_export
 
 transformers = require("transformers")
@@ -59,12 +69,8 @@ def test_transformers_checkpoint_loads_and_exports_the_same_tensors(tmp_path: Pa
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                                        num_experts_per_tok=2, sliding_window=6, max_position_embeddings=256,
                                        eos_token_id=[7, 8], swiglu_limit=0.5)  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for param in hf.parameters():
-            param.uniform_(-0.1, 0.1)
-    hf.eval().save_pretrained(tmp_path / "hf")
+    hf = random_hf_model(config)
+    hf.save_pretrained(tmp_path / "hf")
     info = read_hf_config(tmp_path / "hf")
     # transformers' defaults where config.json is silent on them, YaRN (factor 32, no truncation) among them.
     assert info.arch.rope_scaling is not None and info.arch.rope_scaling.truncate is False
@@ -81,15 +87,8 @@ def test_transformers_checkpoint_loads_and_exports_the_same_tensors(tmp_path: Pa
 
 
 def test_config_has_the_keys_transformers_writes(tmp_path: Path) -> None:
-    ours = arch_to_hf_config(tiny_gpt_oss(), VOCAB, bos_id=1, eos_id=2, pad_id=None, dtype="bfloat16")
-    (tmp_path / "config.json").write_text(json.dumps(ours))
-    transformers.AutoConfig.from_pretrained(tmp_path, local_files_only=True).save_pretrained(tmp_path / "resaved")
-    theirs = json.loads((tmp_path / "resaved" / "config.json").read_text())
-    theirs.pop("transformers_version")
     # Top-level copies are for transformers 4; transformers 5 folds them into rope_parameters.
-    expected = {k: v for k, v in ours.items() if k not in ("rope_theta", "rope_scaling")}
-    assert expected == theirs
-    assert read_hf_config(tmp_path / "resaved").arch == read_hf_config(tmp_path).arch
+    assert_config_like_transformers(tiny_gpt_oss(), tmp_path, dropped=("rope_theta", "rope_scaling"))
 
 
 def test_greedy_generation_equals_transformers(tmp_path: Path, one_thread: object) -> None:
@@ -98,12 +97,7 @@ def test_greedy_generation_equals_transformers(tmp_path: Path, one_thread: objec
 
 
 def test_documents_do_not_share_windows_or_sinks() -> None:
-    model = _lmforge(tiny_gpt_oss())
-    ids = _ids(t=24)
-    with torch.no_grad():
-        packed = model(ids, torch.cat([torch.arange(10), torch.arange(14)])[None], torch.tensor([10, 14]))
-        second = model(ids[:, 10:], torch.arange(14)[None], torch.tensor([14]))
-    torch.testing.assert_close(packed[:, 10:], second, atol=1e-5, rtol=0)
+    assert_documents_attend_alone(_lmforge(tiny_gpt_oss()))
 
 
 def test_clamped_swiglu_equals_its_definition() -> None:

@@ -54,6 +54,28 @@ def _lmforge(arch: AnyArch, vocab: int = VOCAB, seed: int = 3) -> CausalLM:
     return model.eval()
 
 
+def assert_config_like_transformers(arch: AnyArch, folder: Path, dropped: tuple[str, ...] = ()) -> None:
+    """The config.json lmforge writes for `arch` equals the one transformers saves after reading it, but for the
+    keys in `dropped` (top-level copies for transformers 4), and both read back to the same architecture."""
+    ours = arch_to_hf_config(arch, VOCAB, bos_id=1, eos_id=2, pad_id=None, dtype="bfloat16")
+    (folder / "config.json").write_text(json.dumps(ours))
+    transformers.AutoConfig.from_pretrained(folder, local_files_only=True).save_pretrained(folder / "resaved")
+    theirs = json.loads((folder / "resaved" / "config.json").read_text())
+    theirs.pop("transformers_version")
+    assert {k: v for k, v in ours.items() if k not in dropped} == theirs
+    assert read_hf_config(folder / "resaved").arch == read_hf_config(folder).arch
+
+
+def assert_documents_attend_alone(model: CausalLM) -> None:
+    """A row packing two documents gives the second one the logits it has alone: no attention (window, sink or
+    latent) reaches across a document's start."""
+    ids = _ids(t=24)
+    with torch.no_grad():
+        packed = model(ids, torch.cat([torch.arange(10), torch.arange(14)])[None], torch.tensor([10, 14]))
+        second = model(ids[:, 10:], torch.arange(14)[None], torch.tensor([14]))
+    torch.testing.assert_close(packed[:, 10:], second, atol=1e-5, rtol=0)
+
+
 def _export(model: CausalLM, folder: Path, max_shard_bytes: int = 5 * 2**30) -> list[str]:
     config = arch_to_hf_config(model.arch, model.vocab_size, bos_id=1, eos_id=2, pad_id=0, dtype="float32")
     folder.mkdir(parents=True, exist_ok=True)
@@ -243,7 +265,8 @@ def write_hf_config(folder: Path, arch: AnyArch | None = None, **changes: object
     [
         (
             {"model_type": "mistral"},
-            r"'mistral' is not supported; supported: glm4_moe, gpt_oss, llama, lmforge_moe, qwen3, qwen3_moe",
+            r"'mistral' is not supported; supported: deepseek_v3, glm4_moe, gpt_oss, llama, lmforge_moe, qwen3, "
+            r"qwen3_moe",
         ),
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
         ({"mlp_bias": True}, r"mlp_bias"),

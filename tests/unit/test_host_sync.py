@@ -40,7 +40,7 @@ from tests.host_sync import HostSyncDetector, checked
 from tests.shards import random_docs, word_tokenizer, write_shard
 from tests.spawn import free_port, join_as_rank, run_ranks
 from tests.unit.test_micro_batches import make_batches
-from tests.unit.test_moe import tiny_glm, tiny_gpt_oss
+from tests.unit.test_moe import tiny_deepseek, tiny_glm, tiny_gpt_oss
 
 CPU = torch.device("cpu")
 
@@ -211,6 +211,8 @@ CASES: dict[str, Any] = {
     "moe-expert-groups": lambda tmp: {"model": {"arch": tiny_glm(n_group=4, topk_group=2).model_dump()}},
     # sinks, sliding windows, YaRN, biased router and experts with the clamped SwiGLU
     "gpt-oss": lambda tmp: {"model": {"arch": tiny_gpt_oss().model_dump()}},
+    # MLA with a low-rank query path, interleaved RoPE and YaRN's mscale; group-limited routing
+    "deepseek-v3": lambda tmp: {"model": {"arch": tiny_deepseek(q_lora_rank=24).model_dump()}},
     "moe-research-options": lambda tmp: {
         "model": {
             "arch": tiny_glm(

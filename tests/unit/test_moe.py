@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from lmforge.config.arch import Glm4MoeArch, GptOssArch, Qwen3MoeArch
+from lmforge.config.arch import DeepseekV3Arch, Glm4MoeArch, GptOssArch, Qwen3MoeArch
 from lmforge.config.arch_base import MoESpec
 from lmforge.model import build_model
 from lmforge.model.attention import DocumentMask
@@ -82,6 +82,36 @@ def tiny_gpt_oss(**overrides: object) -> GptOssArch:
     }
     fields.update(overrides)
     return GptOssArch(**fields)
+
+
+YARN_MSCALE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1.0,
+               "mscale_all_dim": 0.8}  # fmt: skip
+"""YaRN with DeepSeek's mscale_all_dim, which scales every channel's logits."""
+
+
+def tiny_deepseek(**overrides: object) -> DeepseekV3Arch:
+    """A 3-layer DeepSeek-V3 (one dense layer, then MoE): MLA with value heads narrower than the query/key heads,
+    interleaved RoPE, YaRN with mscale_all_dim, group-limited routing and a routed scaling factor."""
+    fields: dict[str, object] = {
+        "hidden_size": HIDDEN,
+        "intermediate_size": 96,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 12,
+        "max_position_embeddings": 512,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 2.5,
+        "rope_scaling": YARN_MSCALE,
+    }
+    fields.update(overrides)
+    return DeepseekV3Arch(**fields)
 
 
 def _spec(score_func: str, shared: int, norm: bool, scale: float = 1.0, experts: int = 8) -> MoESpec:

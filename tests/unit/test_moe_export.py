@@ -147,6 +147,11 @@ def _hf_model(model_type: str) -> torch.nn.Module:
         config = transformers.Glm4MoeConfig(**common, **glm)
     else:
         config = transformers.Qwen3MoeConfig(**common, num_experts=8, norm_topk_prob=True)
+    return random_hf_model(config)
+
+
+def random_hf_model(config: object) -> torch.nn.Module:
+    """A transformers model of `config` with every weight and selection bias drawn from U(-0.1, 0.1), in eval mode."""
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():

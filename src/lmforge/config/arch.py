@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from lmforge.config.arch_base import ArchBase, LayerType, MoESpec, check_layer_types
+from lmforge.config.arch_deepseek import DeepseekV3Arch
 from lmforge.config.arch_glm import Glm4MoeArch
 
 
@@ -249,7 +250,7 @@ class GptOssArch(ArchBase):
         return True
 
 
-AnyArch = LlamaArch | Qwen3Arch | Glm4MoeArch | Qwen3MoeArch | GptOssArch
+AnyArch = LlamaArch | Qwen3Arch | Glm4MoeArch | Qwen3MoeArch | GptOssArch | DeepseekV3Arch
 """The type of any architecture config."""
 
 ArchConfig = Annotated[AnyArch, Field(discriminator="model_type")]

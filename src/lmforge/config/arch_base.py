@@ -116,7 +116,7 @@ class ArchBase(BaseModel):
 
     @model_validator(mode="after")
     def _check_heads(self) -> ArchBase:
-        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads and not self.mla:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
                 f"{self.num_attention_heads}; set head_dim explicitly"
@@ -170,6 +170,16 @@ class ArchBase(BaseModel):
     def attention_window(self, index: int) -> int | None:
         """The sliding window of decoder block `index` (keys per query, itself included), None for full attention."""
         return None
+
+    @property
+    def mla(self) -> bool:
+        """Whether attention is multi-head latent attention (DeepSeek-V3's, `lmforge.model.mla`)."""
+        return False
+
+    @property
+    def value_head_dim(self) -> int:
+        """Width of one value head: the query/key width unless a family narrows it (MLA)."""
+        return self.dim_per_head
 
     @property
     def attention_sinks(self) -> bool:

@@ -6,49 +6,19 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from lmforge.config.arch_base import ArchBase, MoESpec
+from lmforge.config.arch_base import MoESpec
+from lmforge.config.arch_moe import BiasedMoEArch
 
 
-class Glm4MoeArch(ArchBase):
+class Glm4MoeArch(BiasedMoEArch):
     """A GLM-4.5 MoE decoder (`Glm4MoeForCausalLM`): sigmoid router with a selection bias, shared experts, the first
     `first_k_dense_replace` blocks dense, RoPE on part of each head, optional QK-norm and q/k/v biases."""
 
     model_type: Literal["glm4_moe"] = "glm4_moe"
     """Architecture family: a GLM-4.5 mixture-of-experts decoder."""
 
-    intermediate_size: int = Field(gt=0)
-    """Hidden width of the dense SwiGLU MLP of the first `first_k_dense_replace` blocks."""
-
     attention_bias: bool = False
     """Give the q/k/v projections a bias (GLM-4.5's o_proj never has one)."""
-
-    moe_intermediate_size: int = Field(gt=0)
-    """Hidden width of one routed (and one shared) expert's SwiGLU."""
-
-    n_routed_experts: int = Field(ge=2)
-    """Number of routed experts per MoE block."""
-
-    num_experts_per_tok: int = Field(gt=0)
-    """Routed experts each token is sent to (top-k)."""
-
-    n_shared_experts: int = Field(default=1, ge=0)
-    """Experts every token goes through, fused into one SwiGLU of n_shared_experts x moe_intermediate_size."""
-
-    first_k_dense_replace: int = Field(default=1, ge=0)
-    """The first this many blocks have a dense MLP (intermediate_size) instead of the MoE block."""
-
-    norm_topk_prob: bool = True
-    """Rescale the chosen experts' sigmoid scores to sum to one before routed_scaling_factor."""
-
-    routed_scaling_factor: float = Field(default=1.0, gt=0)
-    """Multiplier on the routed experts' gate values."""
-
-    n_group: int = Field(default=1, ge=1)
-    """Expert groups for group-limited routing (DeepSeek-V3's): the routed experts split into this many equal
-    groups, each scored by the sum of its two highest selection values; 1: no groups."""
-
-    topk_group: int = Field(default=1, ge=1)
-    """Groups a token may pick its experts from: the topk_group best-scored groups."""
 
     use_qk_norm: bool = False
     """RMS-normalize queries and keys per head before RoPE."""
@@ -125,29 +95,9 @@ class Glm4MoeArch(ArchBase):
             raise ValueError(
                 f"moe_latent_size {self.moe_latent_size} must be below hidden_size {self.hidden_size} (0: no latent)"
             )
-        if self.n_routed_experts % self.n_group or self.n_routed_experts // self.n_group < 2:
-            raise ValueError(
-                f"n_routed_experts {self.n_routed_experts} must split into n_group {self.n_group} equal groups of at "
-                "least 2 experts (a group scores by its two best)"
-            )
-        if self.topk_group > self.n_group:
-            raise ValueError(f"topk_group {self.topk_group} exceeds n_group {self.n_group}")
-        if self.n_group > 1 and self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
-            raise ValueError(
-                f"num_experts_per_tok {self.num_experts_per_tok} exceeds the experts of topk_group {self.topk_group} "
-                f"groups ({self.topk_group * (self.n_routed_experts // self.n_group)})"
-            )
         if self.n_group > 1 and (self.null_experts or self.router_bias_on_logits):
             raise ValueError("group-limited routing (n_group > 1) takes neither null_experts nor "
                              "router_bias_on_logits")  # fmt: skip
-        if self.num_experts_per_tok > self.n_routed_experts:
-            raise ValueError(
-                f"num_experts_per_tok {self.num_experts_per_tok} exceeds n_routed_experts {self.n_routed_experts}"
-            )
-        if self.first_k_dense_replace > self.num_hidden_layers:
-            raise ValueError(
-                f"first_k_dense_replace {self.first_k_dense_replace} exceeds num_hidden_layers {self.num_hidden_layers}"
-            )
         return self
 
     @property
@@ -167,23 +117,13 @@ class Glm4MoeArch(ArchBase):
 
     @property
     def moe(self) -> MoESpec:
-        """Sigmoid scores, selection bias, shared experts."""
-        return MoESpec(
-            num_experts=self.n_routed_experts,
-            top_k=self.num_experts_per_tok,
-            intermediate_size=self.moe_intermediate_size,
-            score_func="sigmoid",
-            selection_bias=True,
-            norm_topk_prob=self.norm_topk_prob,
-            routed_scaling_factor=self.routed_scaling_factor,
-            num_shared_experts=self.n_shared_experts,
+        """Sigmoid scores, selection bias, shared experts, and the research options."""
+        return self.routing_spec(
             null_experts=self.null_experts,
             bias_on_logits=self.router_bias_on_logits,
             latent_size=self.moe_latent_size,
             expert_glu=self.expert_glu,
             situ_betas=(self.situ_beta, self.situ_linear_beta),
-            n_group=self.n_group,
-            topk_group=self.topk_group,
         )
 
     @property
@@ -193,7 +133,3 @@ class Glm4MoeArch(ArchBase):
               "router_bias_on_logits": self.router_bias_on_logits, "moe_latent_size": self.moe_latent_size,
               "expert_glu": self.expert_glu != "swiglu", "hyper_connections": self.hyper_connections}  # fmt: skip
         return [name for name, value in on.items() if value]
-
-    def is_moe_layer(self, index: int) -> bool:
-        """Every block from first_k_dense_replace on."""
-        return index >= self.first_k_dense_replace

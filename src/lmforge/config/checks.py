@@ -134,6 +134,9 @@ def tensor_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
     if config.val.micro_batch_tokens is not None and config.val.micro_batch_tokens % rows:
         problems.append(("val.micro_batch_tokens", f"{config.val.micro_batch_tokens} does not split into {rows} "
                          f"equal parts (parallel.tp = {tp})"))  # fmt: skip
+    if arch.mla:
+        problems.append(("parallel.tp", f"{tp}: model_type {arch.model_type!r} (multi-head latent attention) does not "
+                         "split over tensor parallelism yet; use FSDP, parallel.cp and parallel.ep"))  # fmt: skip
     spec = arch.moe
     if spec is not None and spec.num_shared_experts and (spec.num_shared_experts * spec.intermediate_size) % tp:
         # the shared experts are split like a dense MLP, over their whole width

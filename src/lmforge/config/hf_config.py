@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from lmforge.config.arch import AnyArch, Glm4MoeArch, GptOssArch, LlamaArch, Qwen3Arch, Qwen3MoeArch
+from lmforge.config.arch import AnyArch, DeepseekV3Arch, Glm4MoeArch, GptOssArch, LlamaArch, Qwen3Arch, Qwen3MoeArch
 from lmforge.config.rope import rope_fields_of
 
 CONFIG_NAME = "config.json"
@@ -43,6 +43,7 @@ _CLASS_NAMES = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
     RESEARCH_MODEL_TYPE: "LmforgeMoeForCausalLM",
 }
 _ARCH_CLASSES: dict[str, type[AnyArch]] = {
@@ -51,6 +52,7 @@ _ARCH_CLASSES: dict[str, type[AnyArch]] = {
     "glm4_moe": Glm4MoeArch,
     "qwen3_moe": Qwen3MoeArch,
     "gpt_oss": GptOssArch,
+    "deepseek_v3": DeepseekV3Arch,
     RESEARCH_MODEL_TYPE: Glm4MoeArch,
 }
 _GLM_TYPES = ("glm4_moe", RESEARCH_MODEL_TYPE)
@@ -65,6 +67,8 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "glm4_moe": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "head_dim": None},
     "qwen3_moe": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": None},
     "gpt_oss": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 150000.0, "head_dim": 64},
+    # config.json's head_dim is the RoPE part (transformers derives it); lmforge's MLA widths are the fields below
+    "deepseek_v3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
 }
 _HF_DEFAULTS[RESEARCH_MODEL_TYPE] = _HF_DEFAULTS["glm4_moe"]
 
@@ -89,6 +93,22 @@ _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
         "norm_topk_prob": False,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
+    },
+    "deepseek_v3": {
+        "moe_intermediate_size": 2048,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 3,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "n_group": 8,
+        "topk_group": 4,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "rope_interleave": True,
     },
     "gpt_oss": {
         "num_local_experts": 128,
@@ -198,6 +218,14 @@ def _family_keys(arch: AnyArch) -> dict[str, Any]:
                 "output_router_logits": False}  # fmt: skip
     moe = {"moe_intermediate_size": arch.moe_intermediate_size, "num_experts_per_tok": arch.num_experts_per_tok,
            "norm_topk_prob": arch.norm_topk_prob, "output_router_logits": False}  # fmt: skip
+    if isinstance(arch, DeepseekV3Arch):
+        mla = {key: getattr(arch, key) for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                                   "qk_rope_head_dim", "v_head_dim", "rope_interleave")}  # fmt: skip
+        experts = {key: getattr(arch, key) for key in ("n_routed_experts", "n_shared_experts", "first_k_dense_replace",
+                                                       "routed_scaling_factor", "n_group", "topk_group")}  # fmt: skip
+        # transformers derives head_dim (the RoPE part) and saves it; no multi-token-prediction layers are written.
+        return {**moe, **mla, **experts, "head_dim": arch.qk_rope_head_dim, "qk_head_dim": arch.dim_per_head,
+                "num_nextn_predict_layers": 0, "pretraining_tp": 1}  # fmt: skip
     if isinstance(arch, Qwen3MoeArch):
         # `num_experts` is the name Qwen's checkpoints and transformers 4 use; transformers 5 maps it.
         return {**moe, "num_experts": arch.num_experts, "decoder_sparse_step": arch.decoder_sparse_step,
@@ -296,6 +324,9 @@ def _moe_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
               for key, default in _MOE_DEFAULTS.get(model_type, {}).items()}  # fmt: skip
     if model_type == "qwen3_moe" and raw.get("num_experts") is None and raw.get("num_local_experts") is not None:
         fields["num_experts"] = raw["num_local_experts"]  # transformers 5 saves the attribute-mapped name
+    if model_type == "deepseek_v3":
+        # null is meaningful here (no low-rank query path): only an absent key takes transformers' default
+        fields["q_lora_rank"] = raw.get("q_lora_rank", 1536)
     if model_type == "gpt_oss":
         if raw.get("num_local_experts") is None and raw.get("num_experts") is not None:
             fields["num_local_experts"] = raw["num_experts"]

@@ -135,10 +135,10 @@ def checkpoint_sources(targets: dict[str, Tensor], available: set[str], model_ty
 
 
 def ignored_checkpoint_name(name: str, model: nn.Module) -> bool:
-    """Checkpoint tensors that lmforge does not load: GLM-4.5's multi-token-prediction layers, stored as decoder
-    layers after the last one (transformers skips them too)."""
+    """Checkpoint tensors that lmforge does not load: GLM-4.5's and DeepSeek-V3's multi-token-prediction layers,
+    stored as decoder layers after the last one (transformers skips them too)."""
     arch = getattr(model, "arch", None)
-    if arch is None or arch.model_type != "glm4_moe":
+    if arch is None or arch.model_type not in ("glm4_moe", "deepseek_v3"):
         return False
     match = _LAYER_RE.match(name)
     return match is not None and int(match.group(1)) >= arch.num_hidden_layers

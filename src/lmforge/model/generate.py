@@ -42,9 +42,9 @@ class KVCache:
         device = weight.device if device is None else device
         dtype = weight.dtype if dtype is None else dtype
         arch = model.arch
-        shape = (arch.kv_heads, max_len, arch.dim_per_head)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(arch.num_hidden_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(arch.num_hidden_layers)]
+        keys, values = (arch.kv_heads, max_len, arch.dim_per_head), (arch.kv_heads, max_len, arch.value_head_dim)
+        self.keys = [torch.zeros(keys, device=device, dtype=dtype) for _ in range(arch.num_hidden_layers)]
+        self.values = [torch.zeros(values, device=device, dtype=dtype) for _ in range(arch.num_hidden_layers)]
         self.max_len = max_len
         self.length = 0
         """Number of positions already cached; the next token goes to this position."""
@@ -126,7 +126,7 @@ def forward_with_cache(model: CausalLM, input_ids: Tensor, cache: KVCache) -> Te
             q, k, v = attn.qkv(normed, cos, sin)
             keys, values = cache.write(i, k, v)
             out = _attend(q, keys, values, start, attn.window, attn.sinks)
-            return attn.output(out.reshape(t, attn.num_heads, attn.head_dim), normed, v)
+            return attn.output(out.reshape(t, attn.num_heads, -1), normed, v)
 
         def mlp(h: Tensor, layer: DecoderLayer = layer) -> Tensor:
             return layer.mlp(layer.post_attention_layernorm(h))

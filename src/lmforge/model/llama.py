@@ -15,9 +15,11 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lmforge.config.arch import AnyArch
+from lmforge.config.arch_deepseek import DeepseekV3Arch
 from lmforge.model.attention import AttentionFn, DocumentMask, get_attention, prepare_mask
 from lmforge.model.hyper_connections import HyperConnection, collapse_stream, expand_stream, stream_rate
 from lmforge.model.loss import head_cross_entropy, head_token_losses
+from lmforge.model.mla import MLAttention
 from lmforge.model.mlp import MLP
 from lmforge.model.moe import MoE
 from lmforge.model.norm import RMSNorm
@@ -116,7 +118,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: AnyArch, attention: AttentionFn, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_after_scale)
-        self.self_attn = Attention(arch, attention, arch.attention_window(index))
+        window = arch.attention_window(index)
+        self.self_attn: Attention | MLAttention = (
+            MLAttention(arch, attention, window)
+            if isinstance(arch, DeepseekV3Arch)
+            else Attention(arch, attention, window)
+        )
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_after_scale)
         spec = arch.moe
         self.mlp: MLP | MoE = (

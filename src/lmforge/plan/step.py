@@ -322,7 +322,8 @@ def plan_step(
             step = phases[0] + phases[1] + update
         memory = _categories(next(iter(snapshot.values()), {})) if tracker is not None else {}
         windows = [arch.attention_window(i) for i in range(arch.num_hidden_layers)]
-        counter = FlopCounter(model, arch.num_hidden_layers, arch.num_attention_heads, arch.dim_per_head, windows)
+        counter = FlopCounter(model, arch.num_hidden_layers, arch.num_attention_heads, arch.dim_per_head, windows,
+                              arch.value_head_dim)  # fmt: skip
         # A TP group trains on the same rows: each GPU's share is 1 / tp of their tokens and of the model's FLOPs.
         tp = ctx.tp.size
         tokens = sum(mb.tokens for mb in micro_batches) // tp

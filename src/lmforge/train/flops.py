@@ -4,14 +4,15 @@ Convention (one optimizer step, forward + backward):
 
     FLOPs = 6 x N_matmul x tokens  +  12 x layers x heads x head_dim x sum over segments of s (s + 1) / 2
 
-N_matmul is the number of active non-embedding matrix parameters, the LM head included (a tied head still does
-its matmul): every token multiplies each such weight once in forward (2 FLOPs per weight) and twice in backward.
-The attention term counts the query-key pairs actually attended: with document masking a segment of s tokens
-attends s (s + 1) / 2 pairs (causal), and each pair costs 2 x head_dim FLOPs for QK^T and as many for AV per
-head, times 3 for forward + backward. A layer with a sliding window of w keys attends w (w + 1) / 2 + (s - w) w
-pairs in a segment longer than w; the attention term then uses the mean over the layers. `perf/mfu` uses this
-count; `perf/mfu_6nd` uses 6 x N_matmul x tokens alone (the PaLM-style approximation without attention), for
-comparison with papers that report it.
+N_matmul is the number of active non-embedding matrix parameters, the LM head included (a tied head still does its
+matmul): every token multiplies each such weight once in forward (2 FLOPs per weight) and twice in backward. The
+attention term counts the query-key pairs actually attended: with document masking a segment of s tokens attends
+s (s + 1) / 2 pairs (causal), and each pair costs 2 x head_dim FLOPs for QK^T and as many for AV per head, times 3 for
+forward + backward (with value heads narrower than the query/key heads, as MLA's, 2 x head_dim + 2 x value_dim: 12 x
+head_dim above becomes 6 x (head_dim + value_dim)). A layer with a sliding window of w keys attends
+w (w + 1) / 2 + (s - w) w pairs in a segment longer than w; the attention term then uses the mean over the layers.
+`perf/mfu` uses this count; `perf/mfu_6nd` uses 6 x N_matmul x tokens alone (the PaLM-style approximation without
+attention), for comparison with papers that report it.
 """
 
 from __future__ import annotations
@@ -81,10 +82,17 @@ class FlopCounter:
     """Training FLOPs of a step from its token count and attended pairs."""
 
     def __init__(
-        self, model: nn.Module, layers: int, heads: int, head_dim: int, windows: Sequence[int | None] = ()
+        self,
+        model: nn.Module,
+        layers: int,
+        heads: int,
+        head_dim: int,
+        windows: Sequence[int | None] = (),
+        value_dim: int | None = None,
     ) -> None:
         self.matmul = count_params(model).active_matmul
-        self.per_pair = 12.0 * layers * heads * head_dim
+        # per head and attended pair: 2 x head_dim (q.k) + 2 x value_dim (p.v) forward, twice that backward
+        self.per_pair = 6.0 * layers * heads * (head_dim + (head_dim if value_dim is None else value_dim))
         self.windows = Counter(windows or [None] * layers)
         """How many layers have each sliding window (None: full attention)."""
 

@@ -142,7 +142,7 @@ class Trainer:
             configured.append(SourceShares(source.sources.names))
         windows = [arch.attention_window(i) for i in range(arch.num_hidden_layers)]
         self.flops = FlopCounter(self.model, arch.num_hidden_layers, arch.num_attention_heads, arch.dim_per_head,
-                                 windows)  # fmt: skip
+                                 windows, arch.value_head_dim)  # fmt: skip
         self.peak_flops = peak_flops(ctx.device)
         self.params = param_counts(self.model)
         self.log = rank_logger(self.run_dir, ctx.rank)
