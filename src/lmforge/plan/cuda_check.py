@@ -43,6 +43,7 @@ from lmforge.model.attention import describe_backend
 from lmforge.parallel.context import shard_micro_batch
 from lmforge.parallel.fsdp import resolve_param_dtype
 from lmforge.parallel.model_setup import build_run_model
+from lmforge.plan.attention import stand_in_for_flex
 from lmforge.plan.batches import plan_batches
 from lmforge.plan.experts import balance_dispatches
 from lmforge.plan.graph_backward import engine_replaced
@@ -265,6 +266,9 @@ def check_cuda(
             if balance_dispatches(model):
                 notes.append("expert parallelism: exchanges sized as balanced routing (its one documented host "
                              "read stood in for)")  # fmt: skip
+            if stand_in_for_flex(model):
+                notes.append("flex attention compiles only on a GPU: its kernel is stood in for (its inputs, "
+                             "output and sinks' gradient keep their shapes, dtypes and devices)")  # fmt: skip
             # The MoE balancer's part of the step runs on the device: its routing statistics, histograms (quantile
             # rule) and the sequence-wise loss's scale, then the statistics the step's reduction sends.
             balancer = moe_balancer(model, config.model.moe_balance, config.max_steps)
