@@ -213,6 +213,7 @@ CASES: dict[str, Any] = {
     "gpt-oss": lambda tmp: {"model": {"arch": tiny_gpt_oss().model_dump()}},
     # MLA with a low-rank query path, interleaved RoPE and YaRN's mscale; group-limited routing
     "deepseek-v3": lambda tmp: {"model": {"arch": tiny_deepseek(q_lora_rank=24).model_dump()}},
+    "deepseek-v3-mtp": lambda tmp: {"model": {"arch": tiny_deepseek(num_nextn_predict_layers=2).model_dump()}},
     "moe-research-options": lambda tmp: {
         "model": {
             "arch": tiny_glm(

@@ -46,8 +46,9 @@ class DeepseekV3Arch(BiasedMoEArch):
     two halves."""
 
     num_nextn_predict_layers: int = Field(default=0, ge=0)
-    """Multi-token-prediction modules after the decoder. Only 0 is supported in this release: a checkpoint's MTP
-    layers are skipped when it loads, as transformers skips them."""
+    """Multi-token-prediction modules D after the decoder (DeepSeek-V3: 1): module k predicts each position's token
+    k + 1 ahead, trained with weight `model.mtp_weight`; checkpoints store them as decoder layers
+    num_hidden_layers.. (docs/model.md#multi-token-prediction)."""
 
     @model_validator(mode="after")
     def _check_deepseek(self) -> DeepseekV3Arch:
@@ -58,11 +59,6 @@ class DeepseekV3Arch(BiasedMoEArch):
             )
         if self.head_dim is not None:
             raise ValueError("head_dim is not a DeepSeek-V3 field: set qk_nope_head_dim, qk_rope_head_dim, v_head_dim")
-        if self.num_nextn_predict_layers:
-            raise ValueError(
-                f"num_nextn_predict_layers {self.num_nextn_predict_layers}: multi-token prediction is not supported "
-                "yet; set 0 (an HF checkpoint's MTP layers are skipped when it loads)"
-            )
         return self
 
     @property

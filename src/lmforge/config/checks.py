@@ -77,6 +77,10 @@ def context_problems(config: TrainConfig, world_size: int) -> list[tuple[str, st
             ("data.micro_batch_tokens", f"{data.micro_batch_tokens} does not split into 2 x parallel.cp = {2 * cp} "
              "equal chunks")
         )  # fmt: skip
+    if getattr(config.model.arch, "num_nextn_predict_layers", 0):
+        problems.append(("parallel.cp", f"{cp}: multi-token prediction (model.arch.num_nextn_predict_layers) reads "
+                         "tokens ahead of each position, which another rank of the row may hold; not supported "
+                         "yet"))  # fmt: skip
     if config.model.attn not in CP_ATTENTION:
         problems.append(("model.attn", f"{config.model.attn!r} does not run under parallel.cp > 1; use "
                          f"{', '.join(CP_ATTENTION)}"))  # fmt: skip

@@ -223,9 +223,9 @@ def _family_keys(arch: AnyArch) -> dict[str, Any]:
                                                    "qk_rope_head_dim", "v_head_dim", "rope_interleave")}  # fmt: skip
         experts = {key: getattr(arch, key) for key in ("n_routed_experts", "n_shared_experts", "first_k_dense_replace",
                                                        "routed_scaling_factor", "n_group", "topk_group")}  # fmt: skip
-        # transformers derives head_dim (the RoPE part) and saves it; no multi-token-prediction layers are written.
+        # transformers derives head_dim (the RoPE part) and saves it.
         return {**moe, **mla, **experts, "head_dim": arch.qk_rope_head_dim, "qk_head_dim": arch.dim_per_head,
-                "num_nextn_predict_layers": 0, "pretraining_tp": 1}  # fmt: skip
+                "num_nextn_predict_layers": arch.num_nextn_predict_layers, "pretraining_tp": 1}  # fmt: skip
     if isinstance(arch, Qwen3MoeArch):
         # `num_experts` is the name Qwen's checkpoints and transformers 4 use; transformers 5 maps it.
         return {**moe, "num_experts": arch.num_experts, "decoder_sparse_step": arch.decoder_sparse_step,
@@ -299,6 +299,8 @@ def read_hf_config(folder: Path) -> HFModelInfo:
     fields["tie_word_embeddings"] = raw.get("tie_word_embeddings", False)
     fields["attention_bias"] = raw.get("attention_bias", _ATTENTION_BIAS_DEFAULT.get(model_type, False))
     fields.update(_moe_fields(raw, model_type))
+    if model_type == "deepseek_v3":
+        fields["num_nextn_predict_layers"] = _mtp_layers_stored(folder, raw)
     try:
         arch = _ARCH_CLASSES[model_type](**fields)
     except ValidationError as err:
@@ -316,6 +318,35 @@ def read_hf_config(folder: Path) -> HFModelInfo:
         pad_id=_token_id(raw, "pad_token_id", path),
         torch_dtype=str(dtype) if dtype is not None else None,
     )
+
+
+def _mtp_layers_stored(folder: Path, raw: dict[str, Any]) -> int:
+    """How many of config.json's `num_nextn_predict_layers` MTP modules the folder's weights hold (decoder layers
+    num_hidden_layers.. with an `eh_proj`): DeepSeek's releases store them, transformers' own saves drop them, and
+    a model built with modules that have no weights could not load. Reads the safetensors index or header only; a
+    folder without safetensors weights (a run's checkpoint, whose weights are elsewhere) takes config.json's count."""
+    wanted = raw.get("num_nextn_predict_layers") or 0
+    if not wanted:
+        return 0
+    index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
+    names: set[str] = set()
+    try:
+        if single.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(single), framework="pt") as f:
+                names = set(f.keys())
+        elif index.is_file():
+            names = set(json.loads(index.read_text()).get("weight_map", {}))
+        else:
+            return int(wanted)
+    except (OSError, ValueError) as err:
+        raise HFModelError(f"{folder}: cannot list the checkpoint's tensors: {err}") from err
+    layers = raw["num_hidden_layers"]
+    stored = 0
+    while stored < wanted and f"model.layers.{layers + stored}.eh_proj.weight" in names:
+        stored += 1
+    return stored
 
 
 def _moe_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:

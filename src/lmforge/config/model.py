@@ -107,6 +107,11 @@ class ModelConfig(Section):
     """The architecture: `model_type` plus its fields (see docs/model.md). Required unless `name` is set, which
     fills it in from the folder's config.json."""
 
+    mtp_weight: float = Field(default=0.3, ge=0)
+    """Weight lambda of the multi-token-prediction loss, for an architecture with MTP modules
+    (`num_nextn_predict_layers` D > 0): the objective adds lambda / D x the sum over depths of each depth's mean
+    loss (DeepSeek-V3: 0.3, later 0.1); 0 leaves the modules untrained. Logged as `loss/mtp/<k>`."""
+
     rope_scaling: RopeScaling | None = None
     """With `name`: extend the pretrained model's context by this RoPE scaling (docs/model.md#rope-scaling). It
     replaces the folder's scaling, and max_position_embeddings becomes the folder's x `factor`; the weights are

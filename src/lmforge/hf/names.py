@@ -21,11 +21,15 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from lmforge.config.arch import AnyArch
 from lmforge.model.moe import MoE
 
 _GATE_UP = ".mlp.experts.gate_up_proj"
 _DOWN = ".mlp.experts.down_proj"
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
+_MTP_RE = re.compile(r"model\.mtp_layers\.(\d+)\.(.*)")
+MTP_SHARED = (".embed_tokens.weight", ".shared_head.head.weight")
+"""What each MTP layer of a DeepSeek checkpoint also holds: copies of the shared embedding and LM head."""
 
 
 @dataclass(frozen=True)
@@ -111,37 +115,53 @@ def persistent_buffers(model: nn.Module) -> dict[str, Tensor]:
     return found
 
 
-def checkpoint_sources(targets: dict[str, Tensor], available: set[str], model_type: str = "") -> dict[str, Source]:
-    """For each model tensor, its source in a checkpoint holding `available` names: the same name, or for routed
-    experts the stacked name when present, else the per-expert names; for `model_type` gpt_oss, its own names and
+def file_name(name: str, arch: AnyArch | None = None) -> str:
+    """The checkpoint name of model tensor `name`: the same, except the MTP modules (`model.mtp_layers.{k}.*`),
+    which DeepSeek's checkpoints store as decoder layers `num_hidden_layers + k`."""
+    match = _MTP_RE.match(name)
+    if match is None or arch is None:
+        return name
+    return f"model.layers.{arch.num_hidden_layers + int(match.group(1))}.{match.group(2)}"
+
+
+def checkpoint_sources(
+    targets: dict[str, Tensor], available: set[str], arch: AnyArch | None = None
+) -> dict[str, Source]:
+    """For each model tensor, its source in a checkpoint holding `available` names: the same name (`file_name`), or
+    for routed experts the stacked name when present, else the per-expert names; for gpt_oss, its own names and
     layouts (`gpt_oss_name`)."""
     sources: dict[str, Source] = {}
-    for name, tensor in targets.items():
-        if model_type == "gpt_oss":
-            hf_name, kind = gpt_oss_name(name)
-            sources[name] = Source((hf_name,), kind)  # type: ignore[arg-type]
+    for target, tensor in targets.items():
+        if getattr(arch, "model_type", "") == "gpt_oss":
+            hf_name, kind = gpt_oss_name(target)
+            sources[target] = Source((hf_name,), kind)  # type: ignore[arg-type]
             continue
+        name = file_name(target, arch)
         if name in available or not name.endswith((_GATE_UP, _DOWN)):
-            sources[name] = Source((name,), "same")
+            sources[target] = Source((name,), "same")
             continue
         prefix = name.rsplit(".", 1)[0]
         experts = range(tensor.shape[0])
         if name.endswith(_GATE_UP):
             names = tuple(f"{prefix}.{e}.{part}.weight" for e in experts for part in ("gate_proj", "up_proj"))
-            sources[name] = Source(names, "gate_up")
+            sources[target] = Source(names, "gate_up")
         else:
-            sources[name] = Source(tuple(f"{prefix}.{e}.down_proj.weight" for e in experts), "stack")
+            sources[target] = Source(tuple(f"{prefix}.{e}.down_proj.weight" for e in experts), "stack")
     return sources
 
 
 def ignored_checkpoint_name(name: str, model: nn.Module) -> bool:
     """Checkpoint tensors that lmforge does not load: GLM-4.5's and DeepSeek-V3's multi-token-prediction layers,
-    stored as decoder layers after the last one (transformers skips them too)."""
+    stored as decoder layers after the last one (transformers skips them too), beyond the MTP modules the model
+    has; and those modules' copies of the shared embedding and LM head (`MTP_SHARED`)."""
     arch = getattr(model, "arch", None)
     if arch is None or arch.model_type not in ("glm4_moe", "deepseek_v3"):
         return False
     match = _LAYER_RE.match(name)
-    return match is not None and int(match.group(1)) >= arch.num_hidden_layers
+    if match is None or int(match.group(1)) < arch.num_hidden_layers:
+        return False
+    kept = arch.num_hidden_layers + getattr(arch, "num_nextn_predict_layers", 0)
+    return int(match.group(1)) >= kept or name.endswith(MTP_SHARED)
 
 
 def fp32_names(model: nn.Module) -> set[str]:
@@ -160,14 +180,15 @@ def export_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> dict[s
     are) except the tensors `fp32_names` keeps."""
     aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(dict(model.named_parameters()))
     keep = fp32_names(model)
-    gpt_oss = getattr(getattr(model, "arch", None), "model_type", "") == "gpt_oss"
+    arch = getattr(model, "arch", None)
+    gpt_oss = getattr(arch, "model_type", "") == "gpt_oss"
     out: dict[str, Tensor] = {}
     for name, tensor in model.state_dict().items():
         if name in aliases:
             continue
         target = torch.float32 if name in keep else dtype
         t = tensor.detach() if target is None else tensor.detach().to(target)
-        prefix = name.rsplit(".", 1)[0]
+        prefix = file_name(name, arch).rsplit(".", 1)[0]
         if gpt_oss:
             hf_name, kind = gpt_oss_name(name)
             out[hf_name] = GPT_OSS_TO_FILE[kind](t) if kind in GPT_OSS_TO_FILE else t
@@ -180,5 +201,11 @@ def export_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> dict[s
             for e in range(t.shape[0]):
                 out[f"{prefix}.{e}.down_proj.weight"] = t[e].clone()
         else:
-            out[name] = t
+            out[file_name(name, arch)] = t
+    for k in range(len(getattr(getattr(model, "model", None), "mtp_layers", ()))):
+        assert arch is not None
+        layer = f"model.layers.{arch.num_hidden_layers + k}"
+        for suffix, source in zip(MTP_SHARED, ("model.embed_tokens.weight", "lm_head.weight"), strict=True):
+            if source in out:
+                out[layer + suffix] = out[source].clone()
     return out

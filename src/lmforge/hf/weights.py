@@ -151,7 +151,7 @@ def load_hf_weights(model: nn.Module, folder: Path) -> None:
     targets = global_view({**dict(model.named_parameters()), **persistent_buffers(model)}, model)
     # A tied matrix is listed once by named_parameters; its second name may still be in the checkpoint.
     aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(targets)
-    sources = checkpoint_sources(targets, set(files), getattr(getattr(model, "arch", None), "model_type", ""))
+    sources = checkpoint_sources(targets, set(files), getattr(model, "arch", None))
 
     needed = [name for source in sources.values() for name in source.names]
     missing = [name for name in needed if name not in files]

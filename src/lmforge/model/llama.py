@@ -17,11 +17,13 @@ from torch.distributed.tensor import DTensor
 from lmforge.config.arch import AnyArch
 from lmforge.config.arch_deepseek import DeepseekV3Arch
 from lmforge.model.attention import AttentionFn, DocumentMask, get_attention, prepare_mask
+from lmforge.model.aux_loss import with_aux_gradient
 from lmforge.model.hyper_connections import HyperConnection, collapse_stream, expand_stream, stream_rate
-from lmforge.model.loss import head_cross_entropy, head_token_losses
+from lmforge.model.loss import IGNORE_INDEX, head_cross_entropy, head_token_losses
 from lmforge.model.mla import MLAttention
 from lmforge.model.mlp import MLP
 from lmforge.model.moe import MoE
+from lmforge.model.mtp import SharedHead, mtp_targets
 from lmforge.model.norm import RMSNorm
 from lmforge.model.params import ParamCounts, active_fractions, count_params
 from lmforge.model.rotary import apply_rotary, rotary_cos_sin
@@ -154,6 +156,26 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, mask) if isinstance(self.mlp, MoE) else self.mlp(h)
 
 
+class MtpLayer(DecoderLayer):
+    """A multi-token-prediction module (`lmforge.model.mtp`): a decoder block with MTP's input projection of the
+    previous depth's hidden state and the next tokens' embeddings, and its own output norm."""
+
+    def __init__(self, arch: AnyArch, attention: AttentionFn, index: int) -> None:
+        super().__init__(arch, attention, index)
+        hidden, eps = arch.hidden_size, arch.rms_norm_eps
+        self.enorm = RMSNorm(hidden, eps)
+        self.hnorm = RMSNorm(hidden, eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.shared_head = SharedHead(hidden, eps)
+
+    def forward(self, previous: Tensor, embeds: Tensor, cos: Tensor, sin: Tensor,  # type: ignore[override]
+                mask: DocumentMask) -> Tensor:  # fmt: skip
+        """previous [T, hidden] (depth k - 1's output), embeds [T, hidden] (of tokens t + k) -> depth k's normed
+        hidden state [T, hidden]."""
+        x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(previous)), dim=-1))
+        return self.shared_head.norm(super().forward(x, cos, sin, mask))
+
+
 class DecoderModel(nn.Module):
     """Embedding, decoder blocks and final norm (HF's `model.` prefix)."""
 
@@ -162,6 +184,9 @@ class DecoderModel(nn.Module):
         self.arch = arch
         self.embed_tokens = nn.Embedding(vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, attention, i) for i in range(arch.num_hidden_layers))
+        depths = getattr(arch, "num_nextn_predict_layers", 0)
+        self.mtp_layers = nn.ModuleList(MtpLayer(arch, attention, arch.num_hidden_layers + k) for k in range(depths))
+        """DeepSeek-V3's multi-token-prediction modules, depth 1 first (empty without them)."""
         self.attention = attention
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_after_scale)
         self.row_split = 1
@@ -172,12 +197,18 @@ class DecoderModel(nn.Module):
         """Run every layer's attention through `attention` instead of the built backend, for inputs that hold
         1 / row_split of each row: how context parallelism passes its kernel in."""
         self.attention, self.row_split = attention, row_split
-        for layer in self.layers:
+        for layer in [*self.layers, *self.mtp_layers]:
             layer.self_attn.attention = attention
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, doc_lens: Tensor) -> Tensor:
         """input_ids and position_ids [1, T], doc_lens [S] -> final hidden states [1, T, hidden] (under context
         parallelism, this rank's T / cp tokens of a row whose segments `doc_lens` gives)."""
+        return self.decode(*self.inputs(input_ids, position_ids, doc_lens)).unsqueeze(0)
+
+    def inputs(self, input_ids: Tensor, position_ids: Tensor, doc_lens: Tensor) -> tuple[Tensor, Tensor, Tensor,
+                                                                                             DocumentMask]:  # fmt: skip
+        """The blocks' inputs: the token embeddings [T, hidden], the rotary tables and the row's document mask,
+        built once per forward and shared by every block (the MTP modules too)."""
         if input_ids.shape[0] != 1:
             raise ValueError(f"a micro-batch is one packed row; got batch size {input_ids.shape[0]}")
         table = self.embed_tokens.weight
@@ -188,7 +219,11 @@ class DecoderModel(nn.Module):
             raise ValueError(f"doc_lens add up to {mask.total}, which is not the {x.shape[0]} tokens of this row"
                              + ("" if self.row_split == 1 else f" x cp {self.row_split}"))  # fmt: skip
         cos, sin = rotary_cos_sin(position_ids, self.arch, x.dtype)
-        prepare_mask(self.attention, mask, {layer.self_attn.window for layer in self.layers})
+        prepare_mask(self.attention, mask, {layer.self_attn.window for layer in [*self.layers, *self.mtp_layers]})
+        return x, cos, sin, mask
+
+    def decode(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
+        """The blocks and the final norm on embeddings x [T, hidden] -> [T, hidden]."""
         rate = stream_rate(self.arch)
         if rate:
             x = expand_stream(x, rate)
@@ -196,7 +231,20 @@ class DecoderModel(nn.Module):
             x = layer(x, cos, sin, mask)
         if rate:
             x = collapse_stream(x)
-        return self.norm(x).unsqueeze(0)
+        return self.norm(x)
+
+    def mtp_hidden(self, hidden: Tensor, input_ids: Tensor, targets: Tensor, cos: Tensor, sin: Tensor,
+                   mask: DocumentMask) -> list[tuple[Tensor, Tensor]]:  # fmt: skip
+        """Each MTP depth's normed hidden states [T, hidden] and targets [T] (`lmforge.model.mtp`), from the main
+        model's final hidden states and the row's input_ids and targets [T]."""
+        if self.row_split != 1:
+            raise ValueError("multi-token prediction does not run under context parallelism")
+        out, previous = [], hidden
+        for depth, layer in enumerate(self.mtp_layers, start=1):
+            ids, depth_targets = mtp_targets(input_ids, targets, mask.doc_ids, depth)
+            previous = layer(previous, self.embed_tokens(ids), cos, sin, mask)
+            out.append((previous, depth_targets))
+        return out
 
 
 class CausalLM(nn.Module):
@@ -211,6 +259,12 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, vocab_size, bias=False)
         # With targets, the LM head and loss run this many tokens at a time (0: all logits at once).
         self.loss_chunk_tokens = 0
+        depths = len(self.model.mtp_layers)
+        # Multi-token prediction (`lmforge.model.mtp`): each depth's loss gradient, set per step by the trainer,
+        # and the step's summed losses and targets per depth, read once per step.
+        self.register_buffer("mtp_scale", torch.zeros(depths), persistent=False)
+        self.register_buffer("mtp_loss_sum", torch.zeros(depths), persistent=False)
+        self.register_buffer("mtp_tokens", torch.zeros(depths), persistent=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -221,12 +275,14 @@ class CausalLM(nn.Module):
 
     @property
     def blocks(self) -> list[nn.Module]:
-        """The repeated blocks: the units of sharding, activation checkpointing and compilation."""
-        return list(self.model.layers)
+        """The repeated blocks: the units of sharding, activation checkpointing and compilation (the MTP modules
+        after the decoder's)."""
+        return [*self.model.layers, *self.model.mtp_layers]
 
     def moe_layers(self) -> dict[int, MoE]:
-        """The MoE blocks by decoder-layer index (empty for a dense model)."""
-        return {i: layer.mlp for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, MoE)}
+        """The MoE blocks by decoder-layer index, MTP modules numbered after the decoder's (empty for a dense
+        model)."""
+        return {i: layer.mlp for i, layer in enumerate(self.blocks) if isinstance(layer.mlp, MoE)}
 
     def reset_moe_stats(self) -> None:
         """Zero every MoE block's per-step statistics (`tokens_per_expert`, `routing_confidence_sum`)."""
@@ -254,13 +310,23 @@ class CausalLM(nn.Module):
         (IGNORE_INDEX where there is no loss), the fp32 sum of the token cross-entropies instead, or with
         `per_token` (scoring, no gradient) each position's fp32 cross-entropy [T]. The loss is computed inside
         forward so that FSDP sees the LM head used where it manages its parameters."""
-        hidden = self.model(input_ids, position_ids, doc_lens)
+        x, cos, sin, mask = self.model.inputs(input_ids, position_ids, doc_lens)
+        hidden = self.model.decode(x, cos, sin, mask)
         if targets is None:
-            logits = self.lm_head(hidden)
+            logits = self.lm_head(hidden.unsqueeze(0))
             return logits.full_tensor() if isinstance(logits, DTensor) else logits
-        h, weight, shard = hidden[0], self.lm_head.weight, None
+        h, weight, shard = hidden, self.lm_head.weight, None
         if isinstance(weight, DTensor):  # tensor parallelism: the head is split over the vocabulary
             h, weight, shard = vocab_shard(h, weight)
         if per_token:
             return head_token_losses(h, weight, targets[0], self.loss_chunk_tokens or 1024, shard)
-        return head_cross_entropy(h, weight, targets[0], self.loss_chunk_tokens, shard)
+        loss = head_cross_entropy(h, weight, targets[0], self.loss_chunk_tokens, shard)
+        if not self.training or not len(self.model.mtp_layers):
+            return loss
+        # Multi-token prediction trains through its gradient alone: the returned loss stays the main model's.
+        depths = self.model.mtp_hidden(hidden, input_ids[0], targets[0], cos, sin, mask)
+        sums = torch.stack([head_cross_entropy(d, weight, t, self.loss_chunk_tokens) for d, t in depths])
+        with torch.no_grad():
+            self.mtp_loss_sum.add_(sums.detach())
+            self.mtp_tokens.add_(torch.stack([(t != IGNORE_INDEX).sum() for _, t in depths]).float())
+        return with_aux_gradient(loss, sums, self.mtp_scale)

@@ -26,10 +26,11 @@ from torch import Tensor, nn
 
 from lmforge.config.arch_base import MoESpec
 from lmforge.model.attention import DocumentMask
+from lmforge.model.aux_loss import with_aux_gradient
 from lmforge.model.dispatch import ExpertExchange, dispatch_order, inverse_permutation
 from lmforge.model.grouped_mm import grouped_mm
 from lmforge.model.mlp import MLP
-from lmforge.model.seq_balance import TokenSplit, _AuxLossGradient, seq_balance_loss
+from lmforge.model.seq_balance import TokenSplit, seq_balance_loss
 
 ExpertsImpl = Literal["auto", "grouped_mm", "loop"]
 """How routed experts are computed: `grouped_mm` (`torch._grouped_mm`, see `lmforge.model.grouped_mm`), `loop` (the
@@ -369,7 +370,7 @@ class MoE(nn.Module):
         aux = None
         if self.seq_aux and self.training and mask is not None:
             aux = seq_balance_loss(routing, mask.doc_ids, mask.cu_seqlens, self.spec.num_experts, self.token_split)
-            out = _AuxLossGradient.apply(out, aux, self.aux_scale)
+            out = with_aux_gradient(out, aux, self.aux_scale)
         if self.training and _counting():
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts)

@@ -9,7 +9,7 @@ coeff x the mean segment loss without another term in the model's return value.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -71,17 +71,3 @@ def seq_balance_loss(
             hits = funcol.all_reduce(hits, "sum", group)
     f = hits.view(segments, num_experts) * (num_experts / k) / lens
     return (f * p).sum()
-
-
-class _AuxLossGradient(torch.autograd.Function):
-    """Identity on the block output; in backward, the auxiliary loss gets the gradient `scale`."""
-
-    @staticmethod
-    def forward(ctx: Any, out: Tensor, aux: Tensor, scale: Tensor) -> Tensor:
-        ctx.save_for_backward(scale)
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
-        (scale,) = ctx.saved_tensors
-        return grad, scale.reshape(()).to(torch.float32), None

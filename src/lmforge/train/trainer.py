@@ -43,6 +43,7 @@ from lmforge.train.callbacks.balancing import MoEBalancer, moe_balancer
 from lmforge.train.callbacks.base import Callback
 from lmforge.train.callbacks.checkpointing import Checkpointing
 from lmforge.train.callbacks.eval_snapshots import EvalSnapshots
+from lmforge.train.callbacks.mtp import MtpLoss
 from lmforge.train.callbacks.order import in_order
 from lmforge.train.callbacks.reporting import Reporting, build_monitors
 from lmforge.train.callbacks.source_shares import SourceShares
@@ -198,6 +199,8 @@ class Trainer:
     def _configured_callbacks(self, balancer: MoEBalancer | None) -> list[Callback]:
         config, ctx = self.config, self.ctx
         callbacks: list[Callback] = [] if balancer is None else [balancer]
+        if len(self.model.model.mtp_layers):
+            callbacks.append(MtpLoss(self.model, config.model.mtp_weight, ctx.counts_tokens))
         callbacks.append(SpikeFlags(config.log))
         callbacks.append(Checkpointing(self.run_dir, config.ckpt, ctx, config.max_steps))
         if config.eval_snapshots.interval is not None:

@@ -3,7 +3,7 @@
 Within a step the order matters where one callback reads what another wrote:
 
 1. `MoEBalancer` moves the routing biases from the step's global counts, before the optimizer update, and adds
-   the routing metrics;
+   the routing metrics; `MtpLoss` sets the multi-token-prediction gradients and adds `loss/mtp/*`;
 2. `SpikeFlags` flags the step's loss and gradient norm: before the checkpoint, so a checkpoint's spike history
    holds its own step;
 3. `Checkpointing` saves the checkpoint (when due, or when the ranks agreed to stop), with the state the callbacks
@@ -23,6 +23,7 @@ from lmforge.train.callbacks.balancing import MoEBalancer
 from lmforge.train.callbacks.base import Callback
 from lmforge.train.callbacks.checkpointing import Checkpointing
 from lmforge.train.callbacks.eval_snapshots import EvalSnapshots
+from lmforge.train.callbacks.mtp import MtpLoss
 from lmforge.train.callbacks.reporting import Reporting
 from lmforge.train.callbacks.source_shares import SourceShares
 from lmforge.train.callbacks.spike_flags import SpikeFlags
@@ -33,6 +34,7 @@ EXTRA = "extra"
 
 ORDER: tuple[type[Callback] | str, ...] = (
     MoEBalancer,
+    MtpLoss,
     SpikeFlags,
     Checkpointing,
     EvalSnapshots,
