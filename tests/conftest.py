@@ -13,15 +13,19 @@ import torch
 
 from lmforge.config.arch import AnyArch, LlamaArch, Qwen3Arch
 
+LONG = os.environ.get("LMFORGE_LONG") == "1"
+"""Long mode: run the `long`-marked cases too (CI leaves them out for time; each has a shorter sibling in CI)."""
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip `gpu`-marked tests on machines without CUDA."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    """Skip `gpu`-marked tests on machines without CUDA, and `long`-marked ones outside long mode."""
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    skip_long = pytest.mark.skip(reason="long mode: set LMFORGE_LONG=1")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "long" in item.keywords and not LONG:
+            item.add_marker(skip_long)
 
 
 def require(module: str) -> ModuleType:

@@ -20,7 +20,7 @@ uninterrupted run's, and no unfinished save is left.
 A trial whose kill did not come (the run ended first) is not a pass: it is counted as "not reached", and the
 session fails when more than `MAX_NOT_REACHED` of its trials were.
 
-    pytest tests/chaos                                   # CI: 20 trials
+    pytest tests/chaos                                   # CI: 10 trials (20 with LMFORGE_LONG=1)
     LMFORGE_CHAOS_TRIALS=300 pytest tests/chaos          # many more
     LMFORGE_CHAOS_SEED=1234 pytest tests/chaos           # replay a run's trials (the seed is printed at the end)
 """
@@ -52,7 +52,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 CHAOS_RUN = Path(__file__).with_name("chaos_run.py")
 STEPS = 8
 INTERVAL = 2
-TRIALS = int(os.environ.get("LMFORGE_CHAOS_TRIALS", "20"))
+TRIALS = int(os.environ.get("LMFORGE_CHAOS_TRIALS", "20" if os.environ.get("LMFORGE_LONG") == "1" else "10"))
 SEED = int(os.environ.get("LMFORGE_CHAOS_SEED", str(int(time.time()) % 100_000)))
 MAX_NOT_REACHED = 0.1
 """The share of a session's trials whose kill may not come (a kill from outside after the run ended) before the

@@ -178,7 +178,8 @@ def test_preempted_job_requeues_and_resumes_exactly(
     assert f"stopped after step {step} (SIGTERM)" in _node_logs(files)
 
 
-@pytest.mark.skipif(os.environ.get("LMFORGE_SLURM_LONG") != "1", reason="long mode: set LMFORGE_SLURM_LONG=1")
+@pytest.mark.skipif("1" not in (os.environ.get("LMFORGE_SLURM_LONG"), os.environ.get("LMFORGE_LONG")),
+                    reason="long mode: set LMFORGE_SLURM_LONG=1 (or LMFORGE_LONG=1)")
 def test_time_limit_signal_checkpoints_and_requeues(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     config = _config(tmp_path, "limit", max_steps=100000)
     job = _submit(slurm_cluster, config, "--slurm.requeue", "--slurm.time", "2", "--slurm.signal-before-s", "60")

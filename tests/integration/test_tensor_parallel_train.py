@@ -27,7 +27,7 @@ from tests.unit.test_fp8 import FP8_RTOL
 
 pytestmark = pytest.mark.slow
 
-LONG = os.environ.get("LMFORGE_PARALLEL_LONG") == "1"
+LONG = os.environ.get("LMFORGE_PARALLEL_LONG") == "1" or os.environ.get("LMFORGE_LONG") == "1"
 """Long mode: also TP inside HSDP, compiled with checkpointing, AdamW, CompleteP, SFT, the HSDP leg of the resume
 chain, an MoE at tp 2 x cp 2, and HSDP with AdamW (test_hybrid_shard_train). CI runs the short mode: tp 2, tp 2 x
 dp 2, tp 2 x cp 2, Qwen3, MoE with EP, the MoE options and FP8, validation, resume."""
