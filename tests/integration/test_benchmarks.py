@@ -310,11 +310,13 @@ Check = Callable[[Any, Result, Path], None]
 # The four heaviest smokes (1-3.5 minutes each on two cores) are `long`: CI runs the others, LMFORGE_LONG=1 all.
 BENCHMARKS = [
     pytest.param("overhead.py", ["--no-live-memory"], 240, check_overhead, id="overhead", marks=pytest.mark.long),
-    pytest.param("peers.py", ["--profile", "{tmp}/profiles", "--quiet-wait", "0"], 240, check_peers, id="peers", marks=pytest.mark.long),
+    pytest.param("peers.py", ["--profile", "{tmp}/profiles", "--quiet-wait", "0"], 240, check_peers, id="peers",
+                 marks=pytest.mark.long),
     pytest.param("attention_switch.py", [], 120, check_attention_switch, id="attention_switch"),
     pytest.param("data.py", ["--pool-dir", "{tmp}/pool"], 120, check_data, id="data"),
     pytest.param("checkpoint.py", ["--dir", "{tmp}/ckpt"], 120, check_checkpoint, id="checkpoint"),
-    pytest.param("lr_transfer.py", ["--data-dir", "{tmp}/demo"], 240, check_lr_transfer, id="lr_transfer", marks=pytest.mark.long),
+    pytest.param("lr_transfer.py", ["--data-dir", "{tmp}/demo"], 240, check_lr_transfer, id="lr_transfer",
+                 marks=pytest.mark.long),
     pytest.param("logging_cost.py", [], 240, check_logging_cost, id="logging_cost"),
     pytest.param("gpu.py", [], 240, check_gpu, id="gpu_benchmark"),
     pytest.param("evals.py", [], 180, check_evals, id="evals"),
@@ -323,7 +325,8 @@ BENCHMARKS = [
     pytest.param("context_parallel.py", [], 180, check_context_parallel, id="context_parallel"),
     pytest.param("expert_parallel.py", [], 300, check_expert_parallel, id="expert_parallel"),
     pytest.param("tensor_parallel.py", [], 180, check_tensor_parallel, id="tensor_parallel"),
-    pytest.param("moe_options.py", ["--data-dir", "{tmp}/demo"], 240, check_moe_options, id="moe_options", marks=pytest.mark.long),
+    pytest.param("moe_options.py", ["--data-dir", "{tmp}/demo"], 240, check_moe_options, id="moe_options",
+                 marks=pytest.mark.long),
 ]
 
 

@@ -17,6 +17,7 @@ from lmforge.train.callbacks.balancing import MoEBalancer
 from lmforge.train.callbacks.base import Callback
 from lmforge.train.callbacks.checkpointing import Checkpointing
 from lmforge.train.callbacks.eval_snapshots import EvalSnapshots
+from lmforge.train.callbacks.mtp import MtpLoss
 from lmforge.train.callbacks.order import EXTRA, ORDER, in_order, place
 from lmforge.train.callbacks.reporting import Reporting
 from lmforge.train.callbacks.source_shares import SourceShares
@@ -33,7 +34,8 @@ class Extra(Callback):
 
 def test_the_order_names_every_built_in_kind_once() -> None:
     kinds = [k for k in ORDER if isinstance(k, type)]
-    assert kinds == [MoEBalancer, SpikeFlags, Checkpointing, EvalSnapshots, SourceShares, Validation, Reporting]
+    assert kinds == [MoEBalancer, MtpLoss, SpikeFlags, Checkpointing, EvalSnapshots, SourceShares, Validation,
+                     Reporting]  # fmt: skip
     assert ORDER.count(EXTRA) == 1 and ORDER[-1] is Reporting  # reporting sees every metric the others add
 
 
