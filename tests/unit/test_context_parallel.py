@@ -166,7 +166,7 @@ class _Config:
 
         self.parallel = NS(cp=cp)
         self.data = NS(seq_len=seq_len, micro_batch_tokens=micro)
-        self.model = NS(attn=attn, moe_balance=NS(seq_aux_coeff=seq_aux))
+        self.model = NS(attn=attn, moe_balance=NS(seq_aux_coeff=seq_aux), arch=None)
 
 
 def test_each_bad_layout_has_its_message() -> None:

@@ -267,6 +267,12 @@ class CausalLM(nn.Module):
         self.register_buffer("mtp_tokens", torch.zeros(depths), persistent=False)
         self.tie_weights()
 
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Zero the multi-token-prediction buffers (the state of a fresh build; `lmforge.model.init.reset_buffers`)."""
+        for buf in (self.mtp_scale, self.mtp_loss_sum, self.mtp_tokens):
+            buf.zero_()
+
     def tie_weights(self) -> None:
         """Make the LM head use the embedding matrix when the architecture ties them (again after `to_empty`,
         which gives every module a parameter of its own)."""
