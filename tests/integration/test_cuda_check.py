@@ -113,9 +113,12 @@ CASES = {
     # sinks take flex attention, which compiles only on a GPU: the check stands in for its kernel, the rest runs
     "gpt-oss, tp 2 x cp 2": ("gpt-oss", 4, ["--parallel.tp", "2", "--parallel.cp", "2"],
                              {"_GatherRow", "_FusedKernelFootprint"}),
-    # MLA's narrower values padded for the varlen kernel, through the CP gather; experts over ep 2
-    "DeepSeek-V3, cp 2 x ep 2": ("deepseek-v3", 4, ["--parallel.cp", "2", "--parallel.ep", "2"],
+    # MLA's narrower values padded for the varlen kernel, through the CP gather (MTP, which does not run under CP,
+    # off); experts over ep 2; and with the example's MTP module at ep 2
+    "DeepSeek-V3, cp 2 x ep 2": ("deepseek-v3", 4, ["--parallel.cp", "2", "--parallel.ep", "2",
+                                                    "--model.arch.num_nextn_predict_layers", "0"],
                                  {"_GatherRow", "_AllToAll"}),
+    "DeepSeek-V3 with MTP, ep 2": ("deepseek-v3", 2, ["--parallel.ep", "2"], {"_AllToAll", "_AuxLossGradient"}),
 }  # fmt: skip
 
 
