@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmforge.config.arch import AnyArch
 from lmforge.monitor import read_metrics
 from tests.conftest import arch_toml, require, tiny_llama
 
@@ -41,10 +42,11 @@ decay = 0.4
 )
 
 
-def write_config(tmp_path: Path, name: str, max_steps: int = 6) -> Path:
-    """A tiny fake-data run config whose output_dir sits beside it."""
+def write_config(tmp_path: Path, name: str, max_steps: int = 6, arch: AnyArch | None = None) -> Path:
+    """A tiny fake-data run config whose output_dir sits beside it (with `arch` instead of the tiny Llama)."""
     path = tmp_path / f"{name}.toml"
-    path.write_text(TINY_RUN.format(max_steps=max_steps, output_dir=(tmp_path / name).as_posix()))
+    run = TINY_RUN.format(max_steps=max_steps, output_dir=(tmp_path / name).as_posix())
+    path.write_text(run if arch is None else run.replace(TINY_ARCH, arch_toml(arch)))
     return path
 
 

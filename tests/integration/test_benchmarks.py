@@ -267,6 +267,19 @@ def check_tensor_parallel(figures: Any, result: Result, tmp_path: Path) -> None:
     assert one["step_s"] > 0 and two["step_s"] > 0
 
 
+def check_pipeline_parallel(figures: Any, result: Result, tmp_path: Path) -> None:
+    """`pipeline_parallel.py --smoke` runs one process and pp 2 with every schedule, each with one process's
+    first-step loss and a measured bubble between 0 and 1."""
+    rows = figures["rows"]
+    assert [(r["pp"], r["schedule"]) for r in rows] == [(1, "-"), (2, "1f1b"), (2, "interleaved_1f1b"),
+                                                        (2, "interleaved_zb"), (2, "zbv")]  # fmt: skip
+    assert figures["loss_check"]
+    for row in rows[1:]:
+        assert row["first_loss"] == pytest.approx(rows[0]["first_loss"], rel=1e-5)
+        assert 0 < row["bubble"] < 1 and 0 < row["theory"] < 1
+        assert len(row["peak_gib"]) == 2 and min(row["peak_gib"]) > 0
+
+
 def check_moe_options(figures: Any, result: Result, tmp_path: Path) -> None:
     """`moe_options.py --smoke` trains the baseline, the headwise output gate and null experts on the demo data, and
     each option's parameters differ from the baseline's by what the option adds."""
@@ -325,6 +338,8 @@ BENCHMARKS = [
     pytest.param("context_parallel.py", [], 180, check_context_parallel, id="context_parallel"),
     pytest.param("expert_parallel.py", [], 300, check_expert_parallel, id="expert_parallel"),
     pytest.param("tensor_parallel.py", [], 180, check_tensor_parallel, id="tensor_parallel"),
+    pytest.param("pipeline_parallel.py", [], 240, check_pipeline_parallel, id="pipeline_parallel",
+                 marks=pytest.mark.long),
     pytest.param("moe_options.py", ["--data-dir", "{tmp}/demo"], 240, check_moe_options, id="moe_options",
                  marks=pytest.mark.long),
 ]

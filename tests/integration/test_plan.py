@@ -145,6 +145,7 @@ def test_tensor_parallelism_at_8_gpus(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # tens of seconds: the quick tier keeps the small plans
+@pytest.mark.long  # a minute: CI plans 64 GPUs in test_llama_150m_at_8_and_64_gpus and cp in the gpt-oss case
 def test_8b_at_64_gpus_with_context_parallelism(tmp_path: Path) -> None:
     result, plan = _plan(tmp_path, "@", "examples/pretrain/llama3-8b.toml", "--parallel.cp", "2",
                          "--vocab-size", "128256")  # fmt: skip

@@ -105,7 +105,7 @@ def test_an_unknown_arch_field_lists_the_fields_of_its_own_architecture(base: Pa
 def test_errors_name_the_source_that_set_the_field_or_a_field_inside_it(base: Path, tmp_path: Path) -> None:
     # An unknown section set by a flag alone comes from the command line, not from the defaults.
     assert "pipeline (from the command line): unknown field" in error_of(["@", str(base), "--pipeline.stages", "2"])
-    assert "parallel.pp (from the command line): unknown field" in error_of(["@", str(base), "--parallel.pp", "2"])
+    assert "parallel.ppp (from the command line): unknown field" in error_of(["@", str(base), "--parallel.ppp", "2"])
     # A cross-field check names the source too (one process cannot split rows over two).
     msg = error_of(["@", str(base), "--parallel.cp", "2"])
     assert "parallel.cp (from the command line): 2 does not divide the world size 1" in msg

@@ -31,7 +31,7 @@ from lmforge.eval.validation import Validator
 from lmforge.model import build_model
 from lmforge.model.init import init_weights
 from lmforge.model.moe import Experts
-from lmforge.parallel.process_group import DistContext, init_distributed
+from lmforge.parallel.process_group import DistContext, init_distributed, mesh_degrees
 from lmforge.train.callbacks.validation import Validation
 from lmforge.train.trainer import Trainer
 from tests.chat import chat_tokenizer, conversation, write_jsonl
@@ -256,6 +256,11 @@ EP_READ = "Tensor.tolist at src/lmforge/parallel/experts.py"
 """The expert-parallel dispatch's one host read: the exchange sizes `all_to_all_single` takes as host ints."""
 
 
+PP_WARMUP_READ = "aten._local_scalar_dense.default at src/lmforge/parallel/pipeline.py"
+"""torch's pipelining reads one value per stage at a schedule's first step (`_warmup_p2p`: the vote whose
+`result.item()` picks static or inferred shapes), inside `Pipeline.step`; never again after."""
+
+
 def build(config: TrainConfig, ctx: DistContext, case: str) -> Trainer:
     """The case's trainer; `moe-loop` runs its experts through the per-expert loop (a known host read, which shows
     that the detector sees inside the model as the trainer runs it)."""
@@ -279,6 +284,9 @@ def expected_reads(case: str, found: list[str], steps: int = 2) -> bool:
     rest = [f for f in found if not f.startswith(REDUCTION_READ)]
     if len(reduction) != steps:
         return False
+    if case.startswith("pp2"):  # the schedule's one-time warm-up: one read per stage held, in the first step only
+        warmup = [f for f in rest if f.startswith(PP_WARMUP_READ)]
+        return len(warmup) == (2 if case == "pp2-zbv" else 1) and len(rest) == len(warmup)
     if not case.startswith("moe-loop"):
         return not rest
     return len(rest) >= 8 and all(f.startswith(LOOP_READ) for f in rest)
@@ -390,14 +398,20 @@ def _two_rank_worker(rank: int, port: int, tmp: str) -> None:
             },
             "parallel": {"tp": 2},
         },
+        # pipeline parallelism: torch's schedules (point-to-point sends of the hidden states and their gradients)
+        "pp2": {"model": {"arch": tiny_llama(num_hidden_layers=4).model_dump()}, "parallel": {"pp": 2}},
+        "pp2-zbv": {
+            "model": {"arch": tiny_llama(num_hidden_layers=4).model_dump()},
+            "parallel": {"pp": 2, "pp_schedule": "zbv"},
+        },
+        # an MoE cut into stages: each rank's rows of the step's routing tables
+        "pp2-moe": {"model": {"arch": tiny_glm().model_dump()}, "parallel": {"pp": 2}},
     }
     with pytest.MonkeyPatch.context() as monkeypatch:
         for name, overrides in cases.items():
-            cp = overrides.get("parallel", {}).get("cp", 1)
-            replicas = overrides.get("parallel", {}).get("dp_replicate", 1)
-            tp = overrides.get("parallel", {}).get("tp", 1)
-            ctx = init_distributed(timeout_minutes=2, cp=cp, dp_replicate=replicas, tp=tp)
-            trainer = build(_config(tmp_path / name, **overrides), ctx, name)
+            config = _config(tmp_path / name, **overrides)
+            ctx = init_distributed(timeout_minutes=2, **mesh_degrees(config.parallel))
+            trainer = build(config, ctx, name)
             detector, names = run_checked(trainer, monkeypatch)
             found[name] = reads(detector) + (["no step"] * ("loss/mean" not in names))
     Path(tmp, f"rank{rank}.json").write_text(json.dumps(found))
@@ -410,7 +424,7 @@ def test_two_processes_with_fsdp_never_read_the_device(tmp_path: Path) -> None:
     for rank, found in enumerate(results):
         assert set(found) == {"dense", "dense-deferred", "moe-grouped-deferred", "moe-loop", "validation", "cp2",
                               "moe-quantile-cp2", "hsdp", "tp2", "tp2-validation", "moe-grouped-tp2",
-                              "moe-ep"}  # fmt: skip
+                              "pp2", "pp2-zbv", "pp2-moe", "moe-ep"}  # fmt: skip
         assert found["moe-ep"] == [], f"rank {rank}: {found['moe-ep']}"
         checked = {case: reads for case, reads in found.items() if case != "moe-ep"}
         assert all(expected_reads(case, reads) for case, reads in checked.items()), f"rank {rank}: {found}"

@@ -117,7 +117,8 @@ def poisoned_vs_clean(
     loss mask (which adds nothing); returns both runs' metrics, the poison hits and whether the weights agree."""
     poisoned = Trainer(config, ctx, console=False)
     hook = _Poison(batches[bad[0]][bad[1]].input_ids if bad else None)
-    poisoned.model.model.embed_tokens.register_forward_hook(hook)
+    if poisoned.model.model.embed_tokens is not None:  # under pipeline parallelism, on the first stage's rank only
+        poisoned.model.model.embed_tokens.register_forward_hook(hook)
     metrics = [poisoned.train_step(b, 0.0) for b in batches]
     got = _params(poisoned)
     poisoned.close()

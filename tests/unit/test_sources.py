@@ -114,12 +114,17 @@ def test_micro_batches_carry_the_counts_of_their_windows(mixed: Path, tok: Token
 
 
 def test_the_callback_keeps_running_totals_and_resumes_them() -> None:
-    trainer = SimpleNamespace(ctx=SimpleNamespace(device=torch.device("cpu")))
+    trainer = SimpleNamespace(ctx=SimpleNamespace(device=torch.device("cpu"), counts_rows=True))
     shares = SourceShares(["web", "code"])
     batches = [SimpleNamespace(source_tokens=torch.tensor([3, 1])), SimpleNamespace(source_tokens=torch.tensor([2, 2]))]
     shares.on_step_start(trainer, batches)  # type: ignore[arg-type]
     sent = shares.step_sums(trainer)  # type: ignore[arg-type]
     assert sent["source_tokens"].tolist() == [5.0, 3.0]
+    # A rank whose rows another rank counts (another rank of its TP or pipeline group) sends zeros.
+    other = SimpleNamespace(ctx=SimpleNamespace(device=torch.device("cpu"), counts_rows=False))
+    twin = SourceShares(["web", "code"])
+    twin.on_step_start(other, batches)  # type: ignore[arg-type]
+    assert twin.step_sums(other)["source_tokens"].tolist() == [0.0, 0.0]  # type: ignore[arg-type]
     # The reduction sums over ranks: as if a second rank had the same counts.
     metrics = shares.on_step_reduced(trainer, {"source_tokens": np.array([10.0, 6.0])})  # type: ignore[arg-type]
     assert metrics == {"data/source/web/tokens": 10.0, "data/source/web/share": 10 / 16,

@@ -21,6 +21,7 @@ from lmforge.checkpoint.layout import CheckpointError, read_trainer_state
 from lmforge.checkpoint.payload import optimizers_of, plain_state
 from lmforge.checkpoint.rng_state import read_rng_state, set_rng_state
 from lmforge.checkpoint.safe_load import SafeCheckpointReader, SafeLoadPlanner
+from lmforge.model.llama import CausalLM
 from lmforge.parallel.experts import global_view
 
 
@@ -45,7 +46,10 @@ def check_model_shapes(path: Path, model: nn.Module) -> None:
     saved = _tensor_shapes(path, "model.")
     expected = {name: tuple(t.shape) for name, t in global_view(model.state_dict(), model).items()}
     problems = [f"{n}: missing from the checkpoint" for n in sorted(expected.keys() - saved.keys())]
-    problems += [f"{n}: in the checkpoint but not in the model" for n in sorted(saved.keys() - expected.keys())]
+    # Under pipeline parallelism the parameters of other ranks' stages are the checkpoint's, not this rank's.
+    elsewhere = model.held_elsewhere if isinstance(model, CausalLM) else lambda name: False
+    extra = [n for n in sorted(saved.keys() - expected.keys()) if not elsewhere(n)]
+    problems += [f"{n}: in the checkpoint but not in the model" for n in extra]
     problems += [
         f"{n}: checkpoint shape {list(saved[n])}, model shape {list(expected[n])}"
         for n in sorted(expected.keys() & saved.keys())
@@ -68,8 +72,12 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: Any, rank: int) -> 
         hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         model_sd, optim_sd = get_state_dict(model, optimizers_of(optimizer))
         payload = plain_state({"model": model_sd, "optim": optim_sd})
-        # The view shares the payload's storage: loading into it fills the payload.
-        _load(global_view(payload, model), path)
+        # The view shares the payload's storage: loading into it fills the payload. Only the optimizer's per-parameter
+        # state is read: its groups' hyperparameters come from the config (below), and the groups' numbering is the
+        # layout's own (under pipeline parallelism each rank holds some groups only).
+        view = dict(global_view(payload, model))  # a new top level: the payload keeps its groups for set_state_dict
+        view["optim"] = {key: value for key, value in view["optim"].items() if key != "param_groups"}
+        _load(view, path)
         set_state_dict(
             model, optimizers_of(optimizer), model_state_dict=payload["model"], optim_state_dict=payload["optim"]
         )

@@ -83,6 +83,9 @@ def main(argv: list[str]) -> int:
         config, _ = load_train_config(rest, None if gpus is None else int(gpus))  # type: ignore[call-overload]
     except ConfigError as e:
         return fail("plan", str(e))
+    if config.parallel.pp > 1:
+        return fail("plan", f"parallel.pp = {config.parallel.pp}: the planner does not model pipeline stages yet; plan "
+                    "one stage's share by hand or with parallel.pp = 1")  # fmt: skip
     deployment = config.deployment
     world = int(gpus) if gpus is not None else deployment.num_nodes * deployment.procs_per_node  # type: ignore[call-overload]
     per_node = int(flags.get("--gpus-per-node", deployment.procs_per_node if deployment.procs_per_node > 1 else 8))  # type: ignore[call-overload]

@@ -65,12 +65,11 @@ def main(argv: list[str]) -> int:
     from lmforge.eval.sets import EvalSetError
     from lmforge.monitor.base import RecordError
     from lmforge.parallel.heartbeat import Heartbeat, describe_lost
-    from lmforge.parallel.process_group import init_distributed, shutdown_distributed
+    from lmforge.parallel.process_group import init_distributed, mesh_degrees, shutdown_distributed
     from lmforge.train.trainer import Trainer
 
     timeout = config.parallel.timeout_s
-    ctx = init_distributed(timeout_minutes=timeout / 60, cp=config.parallel.cp, ep=config.parallel.ep,
-                           dp_replicate=config.parallel.dp_replicate, tp=config.parallel.tp)  # fmt: skip
+    ctx = init_distributed(timeout_minutes=timeout / 60, **mesh_degrees(config.parallel))
     heartbeat = Heartbeat(ctx.rank, ctx.world_size, min(2.0, timeout / 10)) if ctx.world_size > 1 else None
     try:
         try:

@@ -20,11 +20,12 @@ def config_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
     replicas = config.parallel.dp_replicate
     if world_size % replicas:
         problems.append(("parallel.dp_replicate", f"{replicas} does not divide the world size {world_size}"))
-    split = config.parallel.cp * config.parallel.tp
+    problems += pipeline_problems(config, world_size)
+    split = config.parallel.cp * config.parallel.tp * config.parallel.pp
     groups = world_size // split if world_size % split == 0 else world_size
     per_step = data.micro_batch_tokens * groups
     if data.batch_tokens % per_step:
-        what = "world size" if split == 1 else "data-parallel ranks (world size / (parallel.cp x parallel.tp))"
+        what = "world size" if split == 1 else "data-parallel ranks (world size / (parallel.pp x cp x tp))"
         problems.append(
             (
                 "data.batch_tokens",
@@ -151,6 +152,67 @@ def tensor_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
         problems.append(("model.fp8", f"{config.model.fp8!r} with a latent MoE (model.arch.moe_latent_size) does "
                          "not run under parallel.tp > 1: the latent projections' float8 scales would differ from "
                          "one process's"))  # fmt: skip
+    return problems
+
+
+PIPELINE_SEAMS = (("tp", "tensor"),)
+"""The parallel dimensions that do not compose with `parallel.pp` yet: (field, name)."""
+
+
+def pipeline_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str]]:
+    """What stops `parallel.pp` > 1 from working with this config and world size."""
+    parallel, arch, data = config.parallel, config.model.arch, config.data
+    pp = parallel.pp
+    if pp == 1:
+        return [(f"parallel.{name}", f"{getattr(parallel, name)} is set but parallel.pp is 1")
+                for name in ("pp_stages_per_rank", "pp_layers") if getattr(parallel, name) is not None]  # fmt: skip
+    problems: list[tuple[str, str]] = []
+    grid = pp * parallel.dp_replicate * parallel.cp
+    if world_size % grid:
+        problems.append(("parallel.pp", f"{pp} x parallel.dp_replicate x parallel.cp = {grid} does not divide the "
+                         f"world size {world_size}"))  # fmt: skip
+    for name, what in PIPELINE_SEAMS:
+        if getattr(parallel, name) > 1:
+            problems.append((f"parallel.{name}", f"{getattr(parallel, name)}: {what} parallelism does not compose with "
+                             f"parallel.pp = {pp} yet; use FSDP or HSDP within each stage"))  # fmt: skip
+    ep, group = parallel.ep, world_size // (pp * parallel.dp_replicate) if world_size % grid == 0 else 0
+    if ep > 1 and group and group % ep:
+        problems.append(("parallel.ep", f"{ep} does not divide a stage group's {group} ranks (world size / "
+                         "(parallel.pp x parallel.dp_replicate)): a stage's experts live in its group"))  # fmt: skip
+    if ep > 1 and world_size == pp * ep and config.model.ac.mode == "selective":
+        problems.append(("model.ac.mode", f"'selective' does not run with each rank's experts unsharded (parallel.ep "
+                         f"= {ep} equal to a stage group's ranks); use 'full'"))  # fmt: skip
+    per_rank = parallel.pp_stages_per_rank or (1 if parallel.pp_schedule == "1f1b" else 2)
+    if parallel.pp_schedule == "zbv" and per_rank != 2:
+        problems.append(("parallel.pp_stages_per_rank", f"{per_rank}: the zbv schedule holds 2 stages per rank"))
+    if parallel.pp_schedule == "1f1b" and per_rank != 1:
+        problems.append(("parallel.pp_stages_per_rank", f"{per_rank}: the 1f1b schedule holds 1 stage per rank; use "
+                         "interleaved_1f1b or interleaved_zb for more"))  # fmt: skip
+    stages = pp * per_rank
+    if parallel.pp_layers is not None:
+        layers = parallel.pp_layers
+        if len(layers) != stages or min(layers) < 1 or sum(layers) != arch.num_hidden_layers:
+            problems.append(("parallel.pp_layers", f"{layers} must give {stages} stages (parallel.pp x stages per "
+                             f"rank) at least one layer each, {arch.num_hidden_layers} in all"))  # fmt: skip
+    elif arch.num_hidden_layers < stages:
+        problems.append(("parallel.pp", f"{pp} x {per_rank} stages per rank = {stages} stages need at least as many "
+                         f"decoder layers; the model has {arch.num_hidden_layers}"))  # fmt: skip
+    dp = world_size // (pp * parallel.cp * parallel.tp) if world_size % pp == 0 else world_size
+    rows = data.batch_tokens // max(data.micro_batch_tokens * dp, 1)
+    if rows < pp or (per_rank > 1 and rows % pp):
+        need = "a multiple of" if per_rank > 1 else "at least"
+        problems.append(("data.batch_tokens", f"{data.batch_tokens} gives each data-parallel rank {rows} micro-batches "
+                         f"a step; the {parallel.pp_schedule} schedule needs {need} parallel.pp = {pp} "
+                         "(data.batch_tokens / (data.micro_batch_tokens x world size / parallel.pp))"))  # fmt: skip
+    refused = [
+        (arch.tie_word_embeddings, "model.arch.tie_word_embeddings", "true: the embedding and the LM head sit in "
+         "different stages; untie them"),
+        (bool(getattr(arch, "hyper_connections", 0)), "model.arch.hyper_connections", "set: the widened residual "
+         "stream does not cross stages yet"),
+        (bool(getattr(arch, "num_nextn_predict_layers", 0)), "model.arch.num_nextn_predict_layers", "set: multi-token "
+         "prediction does not run under parallel.pp yet"),
+    ]  # fmt: skip
+    problems += [(name, msg) for bad, name, msg in refused if bad]
     return problems
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from lmforge.config.base import Section
@@ -37,6 +39,30 @@ class ParallelConfig(Section):
     each rank's own tokens. The ranks of a group train on the same rows; keep a group inside one node (it
     communicates in every layer). Data parallelism takes world size / (cp x tp) groups, and FSDP shards over them;
     see docs/training.md."""
+
+    pp: int = Field(default=1, ge=1)
+    """Pipeline-parallel degree: the decoder layers are cut into stages held by this many groups of ranks (the
+    embedding with the first stage, the final norm, LM head and loss with the last), and each step's micro-batches
+    flow through them by `pp_schedule`. The outermost dimension: consecutive blocks of world size / pp ranks form
+    one stage group each (put stage boundaries between nodes). Inside a stage group, context parallelism takes
+    parallel.cp consecutive ranks and data parallelism the rest (world size / (pp x cp) groups); FSDP shards each
+    stage over the group's ranks. Composes with cp, ep (inside a stage group) and dp_replicate, not yet with tp; see
+    docs/training.md."""
+
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = "1f1b"
+    """How micro-batches move through the stages (torch.distributed.pipelining): `1f1b` (one stage per rank, one
+    forward then one backward in the steady state), `interleaved_1f1b` (several stages per rank, looping: a smaller
+    bubble for more point-to-point messages), `interleaved_zb` (interleaved with the backward split into its input
+    and weight parts, which fill the bubble) and `zbv` (zero bubble with two stages per rank in a V: rank r holds
+    stages r and 2 pp - 1 - r)."""
+
+    pp_stages_per_rank: int | None = Field(default=None, ge=1)
+    """Stages each rank holds: 1 for `1f1b` and 2 for the others when unset; `zbv` needs 2."""
+
+    pp_layers: list[int] | None = None
+    """Decoder layers per stage, first stage first (pp x stages per rank entries adding up to the model's layers);
+    unset: contiguous stages balanced by compute (each layer's active matmul parameters, the LM head's with the last
+    stage; the embedding, a lookup, counts nothing)."""
 
     timeout_s: float = Field(default=300.0, gt=0)
     """Seconds a rank waits in one collective (an all-reduce, a checkpoint's agreement) for the others before it

@@ -27,7 +27,7 @@ from lmforge.model.mtp import SharedHead, mtp_targets
 from lmforge.model.norm import RMSNorm
 from lmforge.model.params import ParamCounts, active_fractions, count_params
 from lmforge.model.rotary import apply_rotary, rotary_cos_sin
-from lmforge.model.vocab_parallel import sharded_embedding, vocab_shard
+from lmforge.model.vocab_parallel import VocabShard, sharded_embedding, vocab_shard
 
 
 def exclusive(out: Tensor, v: Tensor) -> Tensor:
@@ -176,6 +176,35 @@ class MtpLayer(DecoderLayer):
         return self.shared_head.norm(super().forward(x, cos, sin, mask))
 
 
+class AbsentLayer(nn.Module):
+    """The place of a decoder layer that another pipeline stage holds (`lmforge.parallel.pipeline`): it keeps the
+    layer indices, and so every parameter name, of the layers this rank holds."""
+
+    def forward(self, *args: object) -> Tensor:
+        """Never called: a stage runs only its own layers."""
+        raise RuntimeError("this decoder layer is held by another pipeline stage")
+
+
+def is_present(layer: nn.Module) -> bool:
+    """Whether this rank holds `layer` (not an `AbsentLayer` left by a pipeline split)."""
+    return not isinstance(layer, AbsentLayer)
+
+
+def head_inputs(hidden: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, VocabShard | None]:
+    """The LM head's input, weight and vocabulary shard: under tensor parallelism the head is split over the
+    vocabulary (`lmforge.model.vocab_parallel.vocab_shard`), otherwise they pass through."""
+    if isinstance(weight, DTensor):
+        return vocab_shard(hidden, weight)
+    return hidden, weight, None
+
+
+def head_loss(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int) -> Tensor:
+    """The fp32 sum of the token cross-entropies of the final hidden states [T, hidden] against targets [T]
+    (IGNORE_INDEX where there is no loss), through the LM head `weight`, `chunk_tokens` at a time (0: at once)."""
+    h, weight, shard = head_inputs(hidden, weight)
+    return head_cross_entropy(h, weight, targets, chunk_tokens, shard)
+
+
 class DecoderModel(nn.Module):
     """Embedding, decoder blocks and final norm (HF's `model.` prefix)."""
 
@@ -198,7 +227,8 @@ class DecoderModel(nn.Module):
         1 / row_split of each row: how context parallelism passes its kernel in."""
         self.attention, self.row_split = attention, row_split
         for layer in [*self.layers, *self.mtp_layers]:
-            layer.self_attn.attention = attention
+            if is_present(layer):
+                layer.self_attn.attention = attention
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, doc_lens: Tensor) -> Tensor:
         """input_ids and position_ids [1, T], doc_lens [S] -> final hidden states [1, T, hidden] (under context
@@ -214,13 +244,19 @@ class DecoderModel(nn.Module):
         table = self.embed_tokens.weight
         # Under tensor parallelism the table is split over the vocabulary and x holds this rank's tokens.
         x = sharded_embedding(input_ids[0], table) if isinstance(table, DTensor) else self.embed_tokens(input_ids[0])
+        return x, *self.row_context(x, position_ids, doc_lens)
+
+    def row_context(self, x: Tensor, position_ids: Tensor, doc_lens: Tensor) -> tuple[Tensor, Tensor, DocumentMask]:
+        """The rotary tables (in x's dtype) and the document mask of the row whose hidden states x [T, hidden] a
+        block is about to read; a pipeline stage without the embedding builds them from its input this way."""
         mask = DocumentMask.from_doc_lens(doc_lens, x.device)
         if mask.total != x.shape[0] * self.row_split:
             raise ValueError(f"doc_lens add up to {mask.total}, which is not the {x.shape[0]} tokens of this row"
                              + ("" if self.row_split == 1 else f" x cp {self.row_split}"))  # fmt: skip
         cos, sin = rotary_cos_sin(position_ids, self.arch, x.dtype)
-        prepare_mask(self.attention, mask, {layer.self_attn.window for layer in [*self.layers, *self.mtp_layers]})
-        return x, cos, sin, mask
+        windows = {layer.self_attn.window for layer in [*self.layers, *self.mtp_layers] if is_present(layer)}
+        prepare_mask(self.attention, mask, windows)
+        return cos, sin, mask
 
     def decode(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
         """The blocks and the final norm on embeddings x [T, hidden] -> [T, hidden]."""
@@ -283,12 +319,25 @@ class CausalLM(nn.Module):
     def blocks(self) -> list[nn.Module]:
         """The repeated blocks: the units of sharding, activation checkpointing and compilation (the MTP modules
         after the decoder's)."""
-        return [*self.model.layers, *self.model.mtp_layers]
+        return [layer for layer in [*self.model.layers, *self.model.mtp_layers] if is_present(layer)]
+
+    def held_elsewhere(self, name: str) -> bool:
+        """Whether parameter `name` of the whole model belongs to a part that another pipeline stage holds (an
+        `AbsentLayer`, or the embedding, final norm or LM head where this rank has none)."""
+        decoder = self.model
+        parts = {"model.embed_tokens.": decoder.embed_tokens, "model.norm.": decoder.norm, "lm_head.": self.lm_head}
+        if any(name.startswith(prefix) and part is None for prefix, part in parts.items()):
+            return True
+        if name.startswith("model.layers."):
+            index = int(name.split(".")[2])
+            return index < len(decoder.layers) and not is_present(decoder.layers[index])
+        return False
 
     def moe_layers(self) -> dict[int, MoE]:
         """The MoE blocks by decoder-layer index, MTP modules numbered after the decoder's (empty for a dense
-        model)."""
-        return {i: layer.mlp for i, layer in enumerate(self.blocks) if isinstance(layer.mlp, MoE)}
+        model); under pipeline parallelism those of this rank's stages."""
+        layers = enumerate([*self.model.layers, *self.model.mtp_layers])
+        return {i: layer.mlp for i, layer in layers if is_present(layer) and isinstance(layer.mlp, MoE)}
 
     def reset_moe_stats(self) -> None:
         """Zero every MoE block's per-step statistics (`tokens_per_expert`, `routing_confidence_sum`)."""
@@ -321,16 +370,15 @@ class CausalLM(nn.Module):
         if targets is None:
             logits = self.lm_head(hidden.unsqueeze(0))
             return logits.full_tensor() if isinstance(logits, DTensor) else logits
-        h, weight, shard = hidden, self.lm_head.weight, None
-        if isinstance(weight, DTensor):  # tensor parallelism: the head is split over the vocabulary
-            h, weight, shard = vocab_shard(h, weight)
         if per_token:
+            h, weight, shard = head_inputs(hidden, self.lm_head.weight)
             return head_token_losses(h, weight, targets[0], self.loss_chunk_tokens or 1024, shard)
-        loss = head_cross_entropy(h, weight, targets[0], self.loss_chunk_tokens, shard)
+        loss = head_loss(hidden, self.lm_head.weight, targets[0], self.loss_chunk_tokens)
         if not self.training or not len(self.model.mtp_layers):
             return loss
         # Multi-token prediction trains through its gradient alone: the returned loss stays the main model's.
         depths = self.model.mtp_hidden(hidden, input_ids[0], targets[0], cos, sin, mask)
+        weight = self.lm_head.weight
         sums = torch.stack([head_cross_entropy(d, weight, t, self.loss_chunk_tokens) for d, t in depths])
         with torch.no_grad():
             self.mtp_loss_sum.add_(sums.detach())

@@ -137,22 +137,8 @@ def build_optimizer(
     (CompleteP; 1 otherwise). Muon takes the matrix roles and, with `cfg.muon_experts`, the expert stacks (minus
     `adamw_params`, whose groups are named `<role>_adamw`), AdamW the rest. With `schedule`, `Optimizers.update`
     follows it over `max_steps`; clipping uses `cfg.max_norm`."""
-    by_role = params_by_role(model)
+    muon_groups, adamw_groups = _plan_groups(model, cfg, scale)
     adamw_lr = (cfg.adamw_lr or cfg.lr) if isinstance(cfg, MuonConfig) else cfg.lr
-    muon_groups: list[dict[str, Any]] = []
-    adamw_groups: list[dict[str, Any]] = []
-    for role, named in by_role.items():
-        s = scale(role)
-        decay = cfg.weight_decay if role in DECAYED_ROLES else 0.0
-        if isinstance(cfg, MuonConfig) and (role in MATRIX_ROLES or (cfg.muon_experts and role in EXPERT_ROLES)):
-            moved = [(n, p) for n, p in named if any(fnmatch.fnmatchcase(n, pat) for pat in cfg.adamw_params)]
-            kept = [(n, p) for n, p in named if (n, p) not in moved]
-            if kept:
-                # lr x weight decay stays constant per role, as for the AdamW groups.
-                muon_groups.append(_group(role, kept, cfg.lr * s.muon_lr, decay / s.muon_lr))
-            named, role = moved, f"{role}_adamw"
-        if named:
-            adamw_groups.append(_group(role, named, adamw_lr * s.lr, decay * s.weight_decay, eps=cfg.eps * s.eps))
     optimizers: list[torch.optim.Optimizer] = []
     if muon_groups:
         from lmforge.optim.muon import Muon
@@ -176,6 +162,39 @@ def build_optimizer(
             torch.optim.AdamW(adamw_groups, lr=adamw_lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
         )
     return Optimizers(optimizers, schedule, max_steps, cfg.max_norm)
+
+
+def group_base_lrs(
+    model: nn.Module, cfg: OptimConfig, scale: Callable[[str], RoleScale] = lambda role: STANDARD
+) -> dict[str, float]:
+    """The name and peak learning rate of every group `build_optimizer` makes for `model`, Muon's first (`model`
+    may be on the meta device): under pipeline parallelism a rank holds some groups only, and the step's metrics
+    name them all."""
+    muon_groups, adamw_groups = _plan_groups(model, cfg, scale)
+    return {g["name"]: g["base_lr"] for g in [*muon_groups, *adamw_groups]}
+
+
+def _plan_groups(
+    model: nn.Module, cfg: OptimConfig, scale: Callable[[str], RoleScale]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Muon's and AdamW's parameter groups of `model` (see `build_optimizer`)."""
+    by_role = params_by_role(model)
+    adamw_lr = (cfg.adamw_lr or cfg.lr) if isinstance(cfg, MuonConfig) else cfg.lr
+    muon_groups: list[dict[str, Any]] = []
+    adamw_groups: list[dict[str, Any]] = []
+    for role, named in by_role.items():
+        s = scale(role)
+        decay = cfg.weight_decay if role in DECAYED_ROLES else 0.0
+        if isinstance(cfg, MuonConfig) and (role in MATRIX_ROLES or (cfg.muon_experts and role in EXPERT_ROLES)):
+            moved = [(n, p) for n, p in named if any(fnmatch.fnmatchcase(n, pat) for pat in cfg.adamw_params)]
+            kept = [(n, p) for n, p in named if (n, p) not in moved]
+            if kept:
+                # lr x weight decay stays constant per role, as for the AdamW groups.
+                muon_groups.append(_group(role, kept, cfg.lr * s.muon_lr, decay / s.muon_lr))
+            named, role = moved, f"{role}_adamw"
+        if named:
+            adamw_groups.append(_group(role, named, adamw_lr * s.lr, decay * s.weight_decay, eps=cfg.eps * s.eps))
+    return muon_groups, adamw_groups
 
 
 def set_lr_multiplier(optimizer: Optimizers | torch.optim.Optimizer, multiplier: float) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -75,9 +75,11 @@ def parallelize(
     ctx: DistContext,
     target: torch.device | None = None,
     shard: bool = True,
+    roots: Sequence[nn.Module] = (),
 ) -> CausalLM:
     """Split over the TP group, checkpoint, compile and shard (per block, then the root) a freshly built model, on
-    the rank's device.
+    the rank's device. Under pipeline parallelism `roots` are this rank's stage modules
+    (`lmforge.parallel.pipeline`): each is an FSDP root of its own instead of the model.
     A model built on the meta device gets storage for this rank's shards only, uninitialized. The kernel under
     context parallelism and the parameter dtype are those of `target` (default: the rank's device; see
     `lmforge.parallel.model_setup.build_run_model`).
@@ -124,22 +126,25 @@ def parallelize(
         # Each rank's experts shard over the ranks holding the same ones; the block around them over all ranks.
         fully_shard(module, mesh=ctx.ep.fsdp_mesh, mp_policy=mp)
     for i, block in enumerate(blocks):
-        # The last block's backward comes right after its forward: resharding it would only gather it again.
-        fully_shard(block, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+        # The last block's backward comes right after its forward: resharding it would only gather it again. A
+        # pipeline stage runs forwards of several micro-batches before their backwards: it keeps its blocks
+        # gathered through the step rather than gathering them again for each micro-batch.
+        fully_shard(block, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1 and not roots)
     # The root (embeddings, final norm, LM head) is used last in forward and first in backward: keep it unsharded.
-    fully_shard(model, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=False)
-    assert isinstance(model, FSDPModule)
+    for root in roots or [model]:
+        fully_shard(root, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=False)
     # Each block starts gathering the next one's parameters before its own compute, so the all-gather of block
     # i + 1 overlaps block i's forward even when the CPU issues kernels only just ahead of the GPU.
-    for block, following in itertools.pairwise(blocks):
-        assert isinstance(block, FSDPModule)
-        block.set_modules_to_forward_prefetch([following])  # type: ignore[list-item]
+    for run in [list(root.layers) for root in roots] or [blocks]:  # type: ignore[union-attr]
+        for block, following in itertools.pairwise(run):
+            assert isinstance(block, FSDPModule)
+            block.set_modules_to_forward_prefetch([following])  # type: ignore[list-item]
     if on_meta:
         # Each rank allocates only its own shards; the caller fills them (init, checkpoint or HF weights).
         model.to_empty(device=ctx.device)
     # Each micro-batch's loss is already divided by the step's global loss-token count, so gradients are summed
     # over ranks, not averaged (a plain sum: gloo has no PREMUL_SUM).
-    for module in model.modules():
+    for module in itertools.chain(model.modules(), roots):
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)

@@ -14,7 +14,8 @@ from lmforge.model import build_model
 from lmforge.model.fp8 import apply_fp8, check_fp8_device
 from lmforge.model.llama import CausalLM
 from lmforge.model.loss import resolve_loss_chunk
-from lmforge.parallel.fsdp import fsdp_wraps, parallelize
+from lmforge.parallel.fsdp import fsdp_wraps, parallelize, resolve_param_dtype
+from lmforge.parallel.pipeline import Pipeline, build_pipeline, split_stages
 from lmforge.parallel.process_group import DistContext
 
 VOCAB_MULTIPLE = 128
@@ -60,19 +61,55 @@ def build_run_model(
     rank's own. `lmforge plan` builds on the CPU, on fake tensors, the model a CUDA run would train; the FP8 device
     check is then the planner's (it knows the target GPU). With `shard` False the model is left unsharded on the
     meta device (`parallelize`)."""
+    target = target or ctx.device
+    model = _meta_model(config, tokenizer, target)
+    # FSDP's float8 all-gather scales each weight over its FSDP shards only; a TP-split weight's scale would then be
+    # its TP part's, not the whole tensor's. Under TP each layer casts its gathered weight instead.
+    _convert_fp8(
+        model, config, ctx, target, shard and fsdp_wraps(config.model, ctx, target) and config.parallel.tp == 1
+    )
+    parallelize(model, model.blocks, config.model, ctx, target, shard)  # in place: the sharded model is the same object
+    return model
+
+
+def build_pipelined_model(
+    config: TrainConfig, tokenizer: TokenizerInfo | None, ctx: DistContext
+) -> tuple[CausalLM, Pipeline]:
+    """Under pipeline parallelism (`parallel.pp` > 1): the configured model with only this rank's stages in it,
+    sharded over its stage group's data-parallel ranks, and the pipeline that trains it. Weights uninitialized, as
+    `build_run_model` leaves them."""
     arch = config.model.arch
     assert arch is not None, "model.arch is filled in from model.name when the config is loaded"
-    target = target or ctx.device
+    model = _meta_model(config, tokenizer, ctx.device)
+    modules = split_stages(model, config.parallel, ctx.pp)
+    _convert_fp8(model, config, ctx, ctx.device, fsdp_all_gather=True)  # FSDP always wraps the stages
+    parallelize(model, model.blocks, config.model, ctx, roots=modules)
+    data = config.data
+    rows = data.batch_tokens // (data.micro_batch_tokens * ctx.dp_size)
+    dtype = resolve_param_dtype(config.model.param_dtype, ctx.device)
+    # Under context parallelism a stage holds its rank's 1 / cp of each row.
+    pipeline = build_pipeline(modules, ctx.pp, config.parallel, rows, data.micro_batch_tokens // ctx.cp.size,
+                              arch.hidden_size, dtype, ctx.device)  # fmt: skip
+    return model, pipeline
+
+
+def _meta_model(config: TrainConfig, tokenizer: TokenizerInfo | None, target: torch.device) -> CausalLM:
+    """The configured model on the meta device, its attention kernel and loss chunking chosen for `target`."""
+    arch = config.model.arch
+    assert arch is not None, "model.arch is filled in from model.name when the config is loaded"
     vocab = model_vocab_size(config, tokenizer)
     model = build_model(arch, vocab, config.model.attn, target, meta=True, compiled=config.model.compile)
     model.loss_chunk_tokens = resolve_loss_chunk(config.model.loss_chunk_tokens, target)
-    if config.model.fp8 != "none":
-        # Before checkpointing, compilation and sharding, which wrap the converted layers.
-        if target == ctx.device:
-            check_fp8_device(config.model.fp8, config.model.fp8_emulate, ctx.device)
-        # FSDP's float8 all-gather scales each weight over its FSDP shards only; a TP-split weight's scale would
-        # then be its TP part's, not the whole tensor's. Under TP each layer casts its gathered weight instead.
-        gather = shard and fsdp_wraps(config.model, ctx, target) and config.parallel.tp == 1
-        apply_fp8(model.blocks, config.model.fp8, config.model.fp8_emulate, fsdp_all_gather=gather)
-    parallelize(model, model.blocks, config.model, ctx, target, shard)  # in place: the sharded model is the same object
     return model
+
+
+def _convert_fp8(
+    model: CausalLM, config: TrainConfig, ctx: DistContext, target: torch.device, fsdp_all_gather: bool
+) -> None:
+    """Swap in `model.fp8`'s float8 linear layers (none when it is `none`), before checkpointing, compilation and
+    sharding, which wrap the converted layers."""
+    if config.model.fp8 == "none":
+        return
+    if target == ctx.device:
+        check_fp8_device(config.model.fp8, config.model.fp8_emulate, ctx.device)
+    apply_fp8(model.blocks, config.model.fp8, config.model.fp8_emulate, fsdp_all_gather=fsdp_all_gather)

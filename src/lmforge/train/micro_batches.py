@@ -19,6 +19,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from lmforge.data.batch import MicroBatch, null_micro_batch
 from lmforge.model.loss import IGNORE_INDEX
+from lmforge.parallel.pipeline import Pipeline
+from lmforge.parallel.stages import PipeShard
 
 
 @dataclass
@@ -78,28 +80,50 @@ def run_micro_batches(
     n = len(micro_batches)
     on_device = [mb.to(device, non_blocking=True) for mb in micro_batches]  # token tensors are small; copies overlap
     denom = global_loss_tokens(on_device, counted)
-    zero = torch.zeros((), device=device)
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    loss_tokens, tokens, nan_count = zero.clone(), zero.clone(), zero.clone()
-    finite_flags = torch.zeros(n, dtype=torch.bool, device=device)
+    ce_sums = []
     for i, mb in enumerate(on_device):
         if defer_grad_sync:
             _set_sync(model, i == n - 1)
         ce_sum = token_loss_sum(model, mb)
         (ce_sum / denom).backward()
-        with torch.no_grad():
+        ce_sums.append(ce_sum.detach())
+    if defer_grad_sync:
+        _set_sync(model, True)
+    return step_stats(ce_sums, on_device, device, counted)
+
+
+def step_stats(
+    ce_sums: Sequence[Tensor], micro_batches: Sequence[MicroBatch], device: torch.device, counted: bool = True
+) -> MicroBatchStats:
+    """The statistics of a step from each micro-batch's summed token loss. Where `counted` is False (a rank whose
+    tokens another rank counts) the sums are zero but the finite flags still this rank's; a pipeline rank without
+    the loss passes no sums and gets every micro-batch finite (see `agreed_finite`)."""
+    zero = torch.zeros((), device=device)
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    loss_tokens, tokens, nan_count = zero.clone(), zero.clone(), zero.clone()
+    finite_flags = torch.ones(len(micro_batches), dtype=torch.bool, device=device)
+    with torch.no_grad():
+        for i, (ce_sum, mb) in enumerate(zip(ce_sums, micro_batches, strict=True) if ce_sums else ()):
             finite = torch.isfinite(ce_sum)
             finite_flags[i] = finite
             loss_sum += torch.where(finite, ce_sum.double(), 0.0)
             loss_tokens += torch.where(finite, mb.loss_mask.sum().float(), 0.0)
             tokens += mb.input_ids.numel()
             nan_count += (~finite).float()
-    if defer_grad_sync:
-        _set_sync(model, True)
     if not counted:
         zeroed = (torch.zeros_like(t) for t in (loss_sum, loss_tokens, tokens, nan_count))
         loss_sum, loss_tokens, tokens, nan_count = zeroed
     return MicroBatchStats(loss_sum, loss_tokens, tokens, nan_count, finite_flags)
+
+
+def run_pipelined(
+    pipeline: Pipeline, micro_batches: Sequence[MicroBatch], device: torch.device, counted: bool = True
+) -> MicroBatchStats:
+    """`run_micro_batches` under pipeline parallelism: the step's schedule runs every micro-batch through this
+    rank's stages; the rank computing the loss has the statistics (`counted`), the others zeros."""
+    on_device = [mb.to(device, non_blocking=True) for mb in micro_batches]
+    denom = global_loss_tokens(on_device, counted)
+    return step_stats(pipeline.step(on_device, denom), on_device, device, counted)
 
 
 def rerun_without_nonfinite(
@@ -109,8 +133,10 @@ def rerun_without_nonfinite(
     device: torch.device,
     defer_grad_sync: bool = False,
     counted: bool = True,
+    pipeline: Pipeline | None = None,
 ) -> None:
-    """Recompute the step's gradient with every non-finite micro-batch replaced by one that adds nothing.
+    """Recompute the step's gradient with every non-finite micro-batch replaced by one that adds nothing (through
+    `pipeline`'s schedule under pipeline parallelism; `finite` then from `agreed_finite`).
 
     Called on every rank when any rank saw a non-finite loss (known after the step's reduction), so all ranks run
     the same number of forward/backward passes and FSDP's collectives stay matched. Gradients are zeroed first;
@@ -118,4 +144,18 @@ def rerun_without_nonfinite(
     """
     model.zero_grad(set_to_none=True)
     kept = [mb if ok else null_micro_batch(mb) for mb, ok in zip(micro_batches, finite, strict=True)]
-    run_micro_batches(model, kept, device, defer_grad_sync, counted)
+    if pipeline is not None:
+        run_pipelined(pipeline, kept, device, counted)
+    else:
+        run_micro_batches(model, kept, device, defer_grad_sync, counted)
+
+
+def agreed_finite(finite: Tensor, pp: PipeShard) -> list[bool]:
+    """Which micro-batches had a finite loss, on every rank of a pipeline group (only the rank computing the loss
+    knows: one all-reduce over the group, on the rare step that reruns). Without pipeline parallelism, this rank's
+    own flags."""
+    if pp.size == 1:
+        return finite.tolist()
+    bad = (~finite).float()
+    dist.all_reduce(bad, group=pp.group)
+    return (bad == 0).tolist()

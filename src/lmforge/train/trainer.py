@@ -28,6 +28,7 @@ from lmforge.data.tokenizer import TokenizerInfo, load_tokenizer
 from lmforge.data.tokens import TokenData
 from lmforge.eval.validation import Validator
 from lmforge.hf.folder import write_model_files
+from lmforge.model import build_model
 from lmforge.model.attention import describe_backend
 from lmforge.model.completep import role_scales
 from lmforge.model.fp8 import describe_fp8, precompute_fp8_scales, uses_fp8_all_gather
@@ -36,8 +37,10 @@ from lmforge.model.llama import CausalLM
 from lmforge.model.roles import param_role
 from lmforge.monitor import Monitors
 from lmforge.optim import Optimizers, OptimizerStep, build_optimizer
+from lmforge.optim.optimizers import group_base_lrs
 from lmforge.parallel.context import shard_micro_batch
-from lmforge.parallel.model_setup import build_run_model
+from lmforge.parallel.model_setup import build_pipelined_model, build_run_model
+from lmforge.parallel.pipeline import Pipeline, PipelineScorer
 from lmforge.parallel.process_group import DistContext
 from lmforge.train.callbacks.balancing import MoEBalancer, moe_balancer
 from lmforge.train.callbacks.base import Callback
@@ -53,7 +56,13 @@ from lmforge.train.flops import FlopCounter, param_counts, peak_flops
 from lmforge.train.host_memory import retain_freed_memory
 from lmforge.train.logs import close_logger, rank_logger
 from lmforge.train.metrics import peak_memory_gib, perplexity, reduce_step_stats
-from lmforge.train.micro_batches import MicroBatchStats, rerun_without_nonfinite, run_micro_batches
+from lmforge.train.micro_batches import (
+    MicroBatchStats,
+    agreed_finite,
+    rerun_without_nonfinite,
+    run_micro_batches,
+    run_pipelined,
+)
 from lmforge.train.preemption import StopRequest
 from lmforge.train.record import RunRecord
 
@@ -123,15 +132,29 @@ class Trainer:
         self.tokenizer = load_tokenizer(config.tokenizer.name) if config.tokenizer.name else None
         # Every rank of a context-parallel group trains on the same rows: they are dealt per data-parallel rank.
         source = build_step_data(config.data, ctx.dp_rank, ctx.dp_size, self.tokenizer)
-        self.model = build_run_model(config, self.tokenizer, ctx)
+        self.pipeline: Pipeline | None = None
+        """This rank's pipeline stages and schedule under pipeline parallelism (`parallel.pp` > 1)."""
+        if ctx.pp.size > 1:
+            self.model, self.pipeline = build_pipelined_model(config, self.tokenizer, ctx)
+        else:
+            self.model = build_run_model(config, self.tokenizer, ctx)
         arch = config.model.arch
         assert arch is not None, "model.arch is filled in from model.name when the config is loaded"
         init = config.model.init
         scale = role_scales(arch, init.scheme, init.base_hidden_size, init.base_num_layers)
         if resume_from is None:
             self._initialize_weights(scale)
-        balancer = moe_balancer(self.model, self.config.model.moe_balance, self.config.max_steps, ctx.counts_rows)
+        # The whole model's figures (parameter counts, FLOPs, every optimizer group and MoE block): under pipeline
+        # parallelism this rank holds some stages only.
+        whole = (
+            self.model
+            if self.pipeline is None
+            else build_model(arch, self.model.vocab_size, config.model.attn, ctx.device, meta=True)
+        )
+        balancer = moe_balancer(self.model, config.model.moe_balance, config.max_steps, ctx.counts_rows, whole, ctx.pp)
         self.optimizer = build_optimizer(self.model, config.optim, scale, config.schedule, config.max_steps)
+        self.group_lrs = group_base_lrs(whole, config.optim, scale)
+        """Every optimizer group's peak learning rate, held on this rank or not."""
         state = self._resume(resume_from) if resume_from is not None else {}
         self.data = open_stream(source, config.max_steps, self.step, state.get("data"), ctx.device.type == "cuda")
         self.data_summary = summarize(source)
@@ -142,10 +165,10 @@ class Trainer:
         if isinstance(source, TokenData) and source.sources is not None:
             configured.append(SourceShares(source.sources.names))
         windows = [arch.attention_window(i) for i in range(arch.num_hidden_layers)]
-        self.flops = FlopCounter(self.model, arch.num_hidden_layers, arch.num_attention_heads, arch.dim_per_head,
+        self.flops = FlopCounter(whole, arch.num_hidden_layers, arch.num_attention_heads, arch.dim_per_head,
                                  windows, arch.value_head_dim)  # fmt: skip
         self.peak_flops = peak_flops(ctx.device)
-        self.params = param_counts(self.model)
+        self.params = param_counts(whole)
         self.log = rank_logger(self.run_dir, ctx.rank)
         self.fp8_all_gather = uses_fp8_all_gather(self.model)
         fp8 = describe_fp8(self.model)
@@ -170,6 +193,12 @@ class Trainer:
                 cb.load_state_dict(saved[cb.name])
         self.monitors = build_monitors(config, ctx.is_main, console, self.step)
         self.record = RunRecord(self.monitors, self.log, ctx, self.run_dir)
+
+    @property
+    def scorer(self) -> torch.nn.Module:
+        """What validation calls to score rows: the model, or under pipeline parallelism a forward-only pass through
+        its stages (`lmforge.parallel.pipeline.PipelineScorer`)."""
+        return self.model if self.pipeline is None else PipelineScorer(self.pipeline, self.model)
 
     def _initialize_weights(self, scale: Any) -> None:
         config = self.config
@@ -222,7 +251,10 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_step_start(self, micro_batches)
         counted = self.ctx.counts_tokens
-        stats = run_micro_batches(self.model, micro_batches, device, defer, counted)
+        if self.pipeline is not None:
+            stats = run_pipelined(self.pipeline, micro_batches, device, counted)
+        else:
+            stats = run_micro_batches(self.model, micro_batches, device, defer, counted)
         sums, maxes = self._reduce(stats, micro_batches, data_wait, stop)
         if maxes["record_failed"] > 0:
             raise self.record.stopped(self.step)  # before the update: the run resumes from its last checkpoint
@@ -233,7 +265,8 @@ class Trainer:
             # them: the step then moves the routing biases as a step without the bad micro-batches would.
             for cb in self.callbacks:
                 cb.on_step_start(self, micro_batches)
-            rerun_without_nonfinite(self.model, micro_batches, stats.finite.tolist(), device, defer, counted)
+            finite = agreed_finite(stats.finite, self.ctx.pp)
+            rerun_without_nonfinite(self.model, micro_batches, finite, device, defer, counted, self.pipeline)
             redone = self._grad_squares()
             for cb in self.callbacks:
                 redone.update(cb.step_sums(self))
@@ -242,7 +275,7 @@ class Trainer:
         from_callbacks: dict[str, float] = {}
         for cb in self.callbacks:
             from_callbacks.update(cb.on_step_reduced(self, sums))
-        group_sq = {g["name"]: sums[f"grad_sq/{g['name']}"] for g in self.optimizer.param_groups}
+        group_sq = {name: sums[f"grad_sq/{name}"] for name in self.group_lrs}
         update = self.optimizer.update(self.step + 1, group_sq, sums["loss_tokens"] > 0)
         if self.fp8_all_gather:
             precompute_fp8_scales(self.model)  # the next forward's float8 all-gathers need the new weights' scales
@@ -270,6 +303,9 @@ class Trainer:
             "peak_memory": memory,
             **self._grad_squares(),
         }
+        pp = self.ctx.pp
+        if pp.size > 1:  # each pipeline rank's stages: their ranks' peak memory, summed over those ranks
+            sums["stage_memory"] = torch.nn.functional.one_hot(torch.tensor(pp.rank), pp.size).to(device) * memory
         for cb in self.callbacks:
             sums.update(cb.step_sums(self))
         maxes = {"data_wait": wait, "peak_memory": memory, "stop": torch.tensor(float(stop), device=device),
@@ -277,13 +313,21 @@ class Trainer:
         return reduce_step_stats(sums, maxes)
 
     def _grad_squares(self) -> dict[str, torch.Tensor]:
-        """This rank's per-group squared gradient norms under their names in the step's SUM reduction."""
-        return {f"grad_sq/{name}": sq for name, sq in self.optimizer.grad_squares(self.ctx.device).items()}
+        """This rank's per-group squared gradient norms under their names in the step's SUM reduction, zero for
+        the groups another pipeline stage holds (every rank reduces the same entries)."""
+        held = self.optimizer.grad_squares(self.ctx.device)
+        zero = torch.zeros((), device=self.ctx.device)
+        return {f"grad_sq/{name}": held.get(name, zero) for name in self.group_lrs}
 
     def _step_metrics(self, sums: dict[str, Any], maxes: dict[str, float], update: OptimizerStep) -> dict[str, float]:
         loss = sums["loss_sum"] / sums["loss_tokens"] if sums["loss_tokens"] else math.nan
         world = self.ctx.world_size
+        stages = {}
+        if "stage_memory" in sums:
+            per_rank = world // self.ctx.pp.size
+            stages = {f"perf/peak_memory/pp{r}": float(m) / per_rank for r, m in enumerate(sums["stage_memory"])}
         return {
+            **stages,
             "loss/mean": loss,
             "loss/perplexity": perplexity(loss) if math.isfinite(loss) else math.nan,
             "loss/nan_count": sums["nan_count"],
@@ -303,9 +347,9 @@ class Trainer:
 
     def _group_metrics(self, update: OptimizerStep) -> dict[str, float]:
         metrics = {}
-        for group in self.optimizer.param_groups:
-            metrics[f"optim/grad_norm/{group['name']}"] = update.group_norms[group["name"]]
-            metrics[f"optim/lr/{group['name']}"] = group["lr"]
+        for name, base_lr in self.group_lrs.items():
+            metrics[f"optim/grad_norm/{name}"] = update.group_norms[name]
+            metrics[f"optim/lr/{name}"] = base_lr * update.lr_multiplier
         return metrics
 
     def train(self) -> None:

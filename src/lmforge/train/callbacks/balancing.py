@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from lmforge.config.model import MoEBalanceConfig
 from lmforge.data.batch import MicroBatch
 from lmforge.model.moe import MoE, sign_rule
+from lmforge.parallel.stages import NO_PIPELINE, PipeShard
 from lmforge.train.callbacks.base import Callback
 
 if TYPE_CHECKING:
@@ -163,28 +164,43 @@ class MoEBalancer(Callback):
         coeff_override: float | None,
         max_steps: int,
         counts_segments: bool = True,
+        whole: nn.Module | None = None,
+        pipeline: PipeShard = NO_PIPELINE,
     ) -> None:
         """`coeff_override` is the arch's `load_balance_coeff` (GLM-4.5 style), which wins over `cfg.coeff`;
         `counts_segments` is False on the ranks of a context- or tensor-parallel group but its first, which see the
-        same rows (each segment is counted once)."""
-        blocks: dict[int, MoE] = model.moe_layers()  # type: ignore[operator]
-        self.layers = sorted(blocks)
-        self.blocks = [blocks[i] for i in self.layers]
-        self.top_k = self.blocks[0].spec.top_k
-        self.num_experts = self.blocks[0].spec.num_experts
-        self.null_experts = self.blocks[0].spec.null_experts
+        same rows (each segment is counted once). Under pipeline parallelism `model` holds this rank's stages only:
+        `whole` is the whole model (on the meta device), whose MoE blocks the step's tables cover, and `pipeline`
+        the group over which the ranks' biases add up to every block's once."""
+        held: dict[int, MoE] = model.moe_layers()  # type: ignore[operator]
+        every: dict[int, MoE] = (whole or model).moe_layers()  # type: ignore[operator]
+        self.layers = sorted(every)
+        """Every MoE block's decoder-layer index: the rows of the step's tables."""
+        self.blocks = [held[i] for i in self.layers if i in held]
+        """The blocks this rank holds."""
+        self.rows = [self.layers.index(i) for i in self.layers if i in held]
+        """Their rows in the step's tables."""
+        spec = every[self.layers[0]].spec
+        self.top_k, self.num_experts, self.null_experts = spec.top_k, spec.num_experts, spec.null_experts
         self.coeff = cfg.coeff if coeff_override is None else coeff_override
         self.freeze_step = None if cfg.freeze_at is None else math.floor(cfg.freeze_at * max_steps)
-        self.balanced = [b for b in self.blocks if b.spec.selection_bias]
+        self.balanced_layers = [i for i in self.layers if every[i].spec.selection_bias]
+        """The layers of the blocks with a selection bias: the rows of the host bias copy and the histograms."""
+        self.balanced = [held[i] for i in self.balanced_layers if i in held]
+        self.balanced_rows = [r for r, i in enumerate(self.balanced_layers) if i in held]
+        """The held balanced blocks' rows among `balanced_layers`."""
         self._last_sign: Tensor | None = None
         self._bias: Tensor | None = None
-        """Host copy of the balanced blocks' selection biases [blocks, choices], in the buffers' dtype: the rules
-        move it and upload it, so a step never reads the biases back (`read_biases`)."""
+        """Host copy of every balanced block's selection bias [blocks, choices], in the buffers' dtype (held on this
+        rank or not): the rules move it and upload the held rows, so a step never reads the biases back
+        (`read_biases`)."""
+        self.pipeline = pipeline
         self.quantile_bins = cfg.quantile_bins
         self.quantile_rate = cfg.quantile_rate
-        self.quantile = cfg.rule == "quantile" and self.coeff > 0 and bool(self.balanced)
-        start = START_RANGE["logits" if self.quantile and self.balanced[0].spec.bias_on_logits else "scores"]
-        self.ranges: list[tuple[float, float]] = [start] * len(self.balanced)
+        self.quantile = cfg.rule == "quantile" and self.coeff > 0 and bool(self.balanced_layers)
+        bias_on_logits = bool(self.balanced_layers) and every[self.balanced_layers[0]].spec.bias_on_logits
+        start = START_RANGE["logits" if self.quantile and bias_on_logits else "scores"]
+        self.ranges: list[tuple[float, float]] = [start] * len(self.balanced_layers)
         """Each balanced block's histogram range for the next step (quantile rule; kept in checkpoints)."""
         self._recording = False
         self.seq_aux_coeff = cfg.seq_aux_coeff
@@ -197,13 +213,25 @@ class MoEBalancer(Callback):
 
     def read_biases(self) -> Tensor:
         """Take the host copy of the biases from the device (once, when training starts: after a resume has
-        loaded them); returns it."""
-        self._bias = torch.stack([b.gate.e_score_correction_bias.detach() for b in self.balanced]).cpu()
+        loaded them); returns it. Under pipeline parallelism each rank reads its stages' and one all-reduce over
+        the pipeline group gives every rank all of them."""
+        held = torch.stack([b.gate.e_score_correction_bias.detach() for b in self.balanced]) if self.balanced else None
+        if self.pipeline.size == 1:
+            assert held is not None
+            self._bias = held.cpu()
+            return self._bias
+        spec_width = self.num_experts + self.null_experts
+        table = torch.zeros(len(self.balanced_layers), spec_width, device=self._device(), dtype=torch.float32)
+        if held is not None:
+            table[self.balanced_rows] = held.float()
+        dist.all_reduce(table, group=self.pipeline.group)
+        dtype = held.dtype if held is not None else torch.float32
+        self._bias = table.cpu().to(dtype)
         return self._bias
 
     def on_train_start(self, trainer: Trainer) -> None:
         """Read the biases the run starts from (see `read_biases`)."""
-        if self.balanced:
+        if self.balanced_layers:
             self.read_biases()
 
     def active(self, step: int) -> bool:
@@ -218,13 +246,13 @@ class MoEBalancer(Callback):
         for block in self.blocks:
             block.reset_stats()
         self._recording = self.quantile and (step is None or self.active(step))
-        for block, (lo, hi) in zip(self.balanced, self.ranges, strict=True):
+        for block, (lo, hi) in zip(self.balanced, [self.ranges[r] for r in self.balanced_rows], strict=True):
             if self._recording:
                 block.gate.start_recording(self.quantile_bins, lo, hi)
             else:
                 block.gate.record_choices = False
         if self.seq_aux_coeff > 0:
-            device = self.blocks[0].aux_scale.device
+            device = self._device()
             local = float(sum(len(mb.doc_lens) for mb in micro_batches)) if self.counts_segments else 0.0
             segments = torch.tensor(local, device=device)
             if dist.is_initialized() and dist.get_world_size() > 1:
@@ -238,22 +266,42 @@ class MoEBalancer(Callback):
         """This rank's step statistics, for the step's SUM all-reduce: counts [L, E], confidence sums [L], the
         sequence-wise loss sums [L] and the copies each rank's experts computed [L, world] (this rank's column
         filled, so the sum holds every rank's)."""
-        computed = torch.stack([b.experts.tokens_computed for b in self.blocks])
+        rows, n, width = self.rows, len(self.layers), self.num_experts + self.null_experts
+        computed = self._table([b.experts.tokens_computed for b in self.blocks], rows, n, ())
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        per_rank = torch.zeros(len(self.blocks), world, device=computed.device)
+        per_rank = torch.zeros(n, world, device=computed.device)
         per_rank[:, rank] = computed
         sums = {
-            "moe/counts": torch.stack([b.tokens_per_expert for b in self.blocks]),
-            "moe/confidence": torch.stack([b.routing_confidence_sum for b in self.blocks]),
-            "moe/seq_aux": torch.stack([b.seq_aux_sum for b in self.blocks]),
+            "moe/counts": self._table([b.tokens_per_expert for b in self.blocks], rows, n, (width,)),
+            "moe/confidence": self._table([b.routing_confidence_sum for b in self.blocks], rows, n, ()),
+            "moe/seq_aux": self._table([b.seq_aux_sum for b in self.blocks], rows, n, ()),
             "moe/rank_load": per_rank,
         }
         if self._local_segments is not None:
             sums["moe/segments"] = self._local_segments
         if self._recording:
             # [balanced blocks, choices, bins]: under context parallelism each rank holds its own tokens' values.
-            sums["moe/choice_hist"] = torch.stack([b.gate.choice_histogram for b in self.balanced])
+            hists = [b.gate.choice_histogram for b in self.balanced]
+            shape = (width, self.quantile_bins)
+            sums["moe/choice_hist"] = self._table(hists, self.balanced_rows, len(self.balanced_layers), shape)
         return sums
+
+    def _device(self) -> torch.device:
+        """Where the step's tables live (the held blocks' device; a rank holding none under pipeline parallelism
+        has its buffers nowhere, and uses the CPU only with gloo)."""
+        if self.blocks:
+            return self.blocks[0].aux_scale.device
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def _table(self, held: list[Tensor], rows: list[int], n: int, shape: tuple[int, ...]) -> Tensor:
+        """The held blocks' tensors (each of `shape`) stacked into their `rows` of an n-row table, zeros in the
+        other blocks' rows: every rank then adds the same entries in the step's reduction."""
+        if len(held) == n:
+            return torch.stack(held)
+        table = torch.zeros(n, *shape, device=self._device())
+        if held:
+            table[rows] = torch.stack(held).to(table.dtype)
+        return table
 
     def update(self, step: int, counts: np.ndarray, confidence_sums: np.ndarray, seq_aux_sums: np.ndarray | None = None,
                rank_load: np.ndarray | None = None, hist: np.ndarray | None = None,
@@ -265,13 +313,14 @@ class MoEBalancer(Callback):
         nulls = counts[:, real:] if self.null_experts else None
         metrics = load_metrics(counts[:, :real], confidence_sums, self.top_k, self.layers, nulls)
         if rank_load is not None:
-            # Copies computed per rank and MoE layer: their mean, and the most any rank computed in one layer.
-            metrics["moe/rank_load/mean"] = float(np.mean(rank_load))
+            # Copies computed per rank and MoE layer: their mean, and the most any rank computed in one layer. Under
+            # pipeline parallelism a layer's copies are computed by the world size / pp ranks holding its stage.
+            metrics["moe/rank_load/mean"] = float(np.mean(rank_load)) * self.pipeline.size
             metrics["moe/rank_load/max"] = float(np.max(rank_load))
         if segments and seq_aux_sums is not None:
             # The objective's term: coeff x the mean over segments of each block's loss, summed over blocks.
             metrics["moe/seq_aux_loss"] = self.seq_aux_coeff * float(np.sum(seq_aux_sums)) / segments
-        if not self.balanced:
+        if not self.balanced_layers:
             return metrics
         if self.quantile and hist is not None:
             signs = [torch.sign(d) for d in self._quantile_update(hist)]
@@ -297,13 +346,17 @@ class MoEBalancer(Callback):
         """DeepSeek-V3's sign rule (`sign_rule`) on the host copy: each balanced block's bias moves by coeff towards
         its under-loaded experts, then is uploaded; returns the changes."""
         bias, deltas = self._biases(), []
-        rows = [row for row, block in enumerate(self.blocks) if block.spec.selection_bias]
-        for i, (row, block) in enumerate(zip(rows, self.balanced, strict=True)):
-            delta = sign_rule(torch.from_numpy(counts[row]), self.coeff)
+        for i, layer in enumerate(self.balanced_layers):
+            delta = sign_rule(torch.from_numpy(counts[self.layers.index(layer)]), self.coeff)
             bias[i] += delta.to(bias.dtype)
-            block.gate.set_bias(bias[i])
             deltas.append(delta)
+        self._upload(bias)
         return deltas
+
+    def _upload(self, bias: Tensor) -> None:
+        """Set the held balanced blocks' biases from their rows of the host copy."""
+        for row, block in zip(self.balanced_rows, self.balanced, strict=True):
+            block.gate.set_bias(bias[row])
 
     def _quantile_update(self, hist: np.ndarray) -> list[Tensor]:
         """Move each balanced block's bias `quantile_rate` of the way to `quantile_bias` of its histogram (on the host
@@ -311,15 +364,15 @@ class MoEBalancer(Callback):
         bias = self._biases()
         current = bias.double().numpy()
         deltas = []
-        for row, block in enumerate(self.balanced):
+        for row in range(len(self.balanced_layers)):
             lo, hi = self.ranges[row]
             delta = np.zeros_like(current[row])  # unchanged when no token reached this block in the step
             if hist[row].sum() > 0:
                 delta = self.quantile_rate * (quantile_bias(hist[row], lo, hi, self.top_k) - current[row])
             bias[row] = torch.from_numpy(current[row] + delta).to(bias.dtype)
-            block.gate.set_bias(bias[row])
             deltas.append(torch.from_numpy(delta))
             self.ranges[row] = next_range(hist[row], lo, hi)
+        self._upload(bias)
         return deltas
 
     def state_dict(self) -> dict[str, Any]:
@@ -332,11 +385,11 @@ class MoEBalancer(Callback):
         """Restore the grid; a checkpoint with another bin count or number of blocks is refused."""
         if not self.quantile or "ranges" not in state:
             return
-        if state["quantile_bins"] != self.quantile_bins or len(state["ranges"]) != len(self.balanced):
+        if state["quantile_bins"] != self.quantile_bins or len(state["ranges"]) != len(self.balanced_layers):
             raise ValueError(
                 f"the checkpoint's quantile balancing grid ({state['quantile_bins']} bins, {len(state['ranges'])} "
                 f"blocks) differs from this run's (model.moe_balance.quantile_bins {self.quantile_bins}, "
-                f"{len(self.balanced)} blocks)"
+                f"{len(self.balanced_layers)} blocks)"
             )
         self.ranges = [(float(lo), float(hi)) for lo, hi in state["ranges"]]
 
@@ -356,11 +409,17 @@ class MoEBalancer(Callback):
 
 
 def moe_balancer(
-    model: nn.Module, cfg: MoEBalanceConfig, max_steps: int, counts_segments: bool = True
+    model: nn.Module,
+    cfg: MoEBalanceConfig,
+    max_steps: int,
+    counts_segments: bool = True,
+    whole: nn.Module | None = None,
+    pipeline: PipeShard = NO_PIPELINE,
 ) -> MoEBalancer | None:
-    """The balancer of `model`'s MoE layers, None without any; the arch's `load_balance_coeff` (GLM-4.5 style)
-    wins over `cfg.coeff`; `counts_segments`: whether this rank counts its rows' segments (see `MoEBalancer`)."""
-    if not model.moe_layers():  # type: ignore[operator]
+    """The balancer of `model`'s MoE layers (under pipeline parallelism: of `whole`'s, the rank holding some of
+    them), None without any; the arch's `load_balance_coeff` (GLM-4.5 style) wins over `cfg.coeff`;
+    `counts_segments`: whether this rank counts its rows' segments (see `MoEBalancer`)."""
+    if not (whole or model).moe_layers():  # type: ignore[operator]
         return None
     coeff = getattr(model.arch, "load_balance_coeff", None)
-    return MoEBalancer(model, cfg, coeff, max_steps, counts_segments)
+    return MoEBalancer(model, cfg, coeff, max_steps, counts_segments, whole, pipeline)

@@ -33,8 +33,11 @@ class SourceShares(Callback):
         self._step = np.zeros(len(self.names), dtype=np.int64)
 
     def on_step_start(self, trainer: Trainer, micro_batches: Sequence[MicroBatch]) -> None:
-        """Add up this rank's counts of the step (host tensors: no device work)."""
+        """Add up this rank's counts of the step (host tensors: no device work); a rank whose rows another rank
+        counts (the other ranks of a TP or pipeline group) adds none."""
         self._step = np.zeros(len(self.names), dtype=np.int64)
+        if not trainer.ctx.counts_rows:
+            return
         for mb in micro_batches:
             if mb.source_tokens is not None:
                 self._step += mb.source_tokens.numpy()

@@ -34,4 +34,4 @@ class Validation(Callback):
 
     def _evaluate(self, trainer: Trainer) -> dict[str, float]:
         arrays = self.validator.arrays_dir(trainer.run_dir, trainer.step)
-        return self.validator.evaluate(trainer.model, trainer.ctx.device, arrays)
+        return self.validator.evaluate(trainer.scorer, trainer.ctx.device, arrays)

@@ -1,0 +1,145 @@
+"""How pipeline parallelism cuts a model: balanced splits, which rank runs which stage, the model left on a rank,
+and the config errors that name the field."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from lmforge.config import ConfigError, load_train_config
+from lmforge.model import build_model
+from lmforge.model.llama import is_present
+from lmforge.parallel.pipeline import split_stages
+from lmforge.parallel.stages import PipeShard, balanced_split, stage_layers, stage_ranks
+from tests.conftest import tiny_llama
+from tests.integration.runner import write_config
+from tests.unit.test_moe import tiny_glm
+
+
+def brute_force_split(weights: list[float], stages: int, first: float, last: float) -> float:
+    """The lightest heaviest stage over every contiguous split, from the definition."""
+    n, best = len(weights), float("inf")
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = [0, *cuts, n]
+        loads = [sum(weights[a:b]) for a, b in itertools.pairwise(bounds)]
+        loads[0] += first
+        loads[-1] += last
+        best = min(best, max(loads))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_balanced_split_is_the_lightest_heaviest_stage(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    weights = [rng.uniform(1, 10) for _ in range(rng.randint(4, 9))]
+    stages = rng.randint(2, min(4, len(weights)))
+    first, last = rng.uniform(0, 20), rng.uniform(0, 20)
+    sizes = balanced_split(weights, stages, first, last)
+    assert len(sizes) == stages and min(sizes) >= 1 and sum(sizes) == len(weights)
+    loads = [sum(weights[r.start : r.stop]) for r in stage_layers(sizes)]
+    loads[0] += first
+    loads[-1] += last
+    assert max(loads) == pytest.approx(brute_force_split(weights, stages, first, last))
+
+
+def test_a_heavy_embedding_moves_layers_off_the_first_stage() -> None:
+    assert balanced_split([1.0] * 8, 2) == [4, 4]
+    assert balanced_split([1.0] * 8, 2, first=4.0) == [2, 6]
+    assert balanced_split([1.0] * 8, 4, last=2.0) == [2, 2, 3, 1]
+    with pytest.raises(ValueError, match="3 layers do not split into 4"):
+        balanced_split([1.0] * 3, 4)
+
+
+def test_stage_ranks_loop_and_v() -> None:
+    assert stage_ranks(2, 1, "1f1b") == [0, 1]
+    assert stage_ranks(2, 2, "interleaved_1f1b") == [0, 1, 0, 1]
+    assert stage_ranks(4, 2, "interleaved_zb") == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert stage_ranks(2, 2, "zbv") == [0, 1, 1, 0]  # the last stage comes back to rank 0: it computes the loss
+
+
+def test_a_rank_keeps_only_its_stages_under_their_full_names() -> None:
+    import torch
+
+    from lmforge.config.parallel import ParallelConfig
+
+    arch = tiny_llama(num_hidden_layers=4)
+    parallel = ParallelConfig(pp=2, pp_schedule="zbv")
+    names = {}
+    for rank in range(2):
+        model = build_model(arch, 128, "sdpa", torch.device("cpu"), meta=True)
+        modules = split_stages(model, parallel, PipeShard(None, rank, 2, loss_rank=0))
+        names[rank] = {n for n, _ in model.named_parameters()}
+        assert [list(m.layer_indices) for m in modules] == ([[0], [3]] if rank == 0 else [[1], [2]])
+        held = [i for i, layer in enumerate(model.model.layers) if is_present(layer)]
+        assert held == ([0, 3] if rank == 0 else [1, 2])
+        # the stage modules hold exactly the rank's parameters
+        assert sum(p.numel() for m in modules for p in m.parameters()) == sum(p.numel() for p in model.parameters())
+        for name in names[rank]:
+            assert not model.held_elsewhere(name)
+    whole = {n for n, _ in build_model(arch, 128, "sdpa", torch.device("cpu"), meta=True).named_parameters()}
+    assert names[0] | names[1] == whole and not names[0] & names[1]
+    assert "lm_head.weight" in names[0] and "model.embed_tokens.weight" in names[0]  # V: first and last on rank 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "arch", "message"),
+    [
+        (
+            ["--parallel.pp", "2", "--parallel.pp_layers", "[1, 2]"],
+            None,
+            r"parallel.pp_layers .*\[1, 2\] must give 2 "
+            r"stages .* 4 in all",
+        ),
+        (
+            ["--parallel.pp", "4", "--parallel.pp_schedule", "interleaved_1f1b"],
+            None,
+            r"parallel.pp .*4 x 2 stages per "
+            r"rank = 8 stages need at least as many decoder layers; the model has 4",
+        ),
+        (
+            ["--parallel.pp", "2", "--parallel.pp_schedule", "zbv", "--parallel.pp_stages_per_rank", "3"],
+            None,
+            r"parallel.pp_stages_per_rank .*the zbv schedule holds 2 stages per rank",
+        ),
+        (
+            ["--parallel.pp", "2", "--parallel.tp", "2"],
+            None,
+            r"parallel.tp .*tensor parallelism does not compose "
+            r"with parallel.pp = 2 yet",
+        ),
+        (
+            ["--parallel.pp", "2", "--data.batch_tokens", "256"],
+            None,
+            r"data.batch_tokens .*gives each data-parallel "
+            r"rank 1 micro-batches a step; the 1f1b schedule needs at least parallel.pp = 2",
+        ),
+        (
+            ["--parallel.pp", "2"],
+            tiny_llama(num_hidden_layers=4, tie_word_embeddings=True),
+            r"model.arch.tie_word_embeddings .*different stages",
+        ),
+        (["--parallel.pp_layers", "[2, 2]"], None, r"parallel.pp_layers .*is set but parallel.pp is 1"),
+        (
+            ["--parallel.pp", "2", "--parallel.ep", "4"],
+            tiny_glm(),
+            r"parallel.ep .*4 does not divide a stage group's "
+            r"2 ranks",
+        ),
+    ],
+)
+def test_pipeline_config_errors_name_the_field(tmp_path: Path, flags: list[str], arch: object, message: str) -> None:
+    cfg = write_config(tmp_path, "run", arch=arch or tiny_llama(num_hidden_layers=4, max_position_embeddings=256))
+    with pytest.raises(ConfigError, match=message):
+        load_train_config(["@", str(cfg), *flags], 4)
+
+
+def test_plan_refuses_a_pipeline_layout_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lmforge.commands.plan import main
+
+    cfg = write_config(tmp_path, "run", arch=tiny_llama(num_hidden_layers=4, max_position_embeddings=256))
+    assert main(["@", str(cfg), "--gpus", "2", "--parallel.pp", "2"]) == 2
+    assert "parallel.pp = 2: the planner does not model pipeline stages yet" in capsys.readouterr().err
