@@ -55,7 +55,7 @@ from context_parallel import _free_port
 from cpu_load import settle
 from lmforge.config import TrainConfig
 from lmforge.config.arch import LlamaArch
-from lmforge.config.checks import pipeline_problems
+from lmforge.config.checks import ZERO_BUBBLE, pipeline_problems
 from lmforge.parallel.stages import stages_per_rank
 
 COLLECTIVE_TIMEOUT_S = 300.0
@@ -63,8 +63,6 @@ COLLECTIVE_TIMEOUT_S = 300.0
 CONFIGURATIONS = [(1, "-"), *((2, s) for s in ("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")),
                   (4, "1f1b"), (4, "interleaved_1f1b")]  # fmt: skip
 """(pp, schedule) of every configuration, pp 1 (no pipeline) first."""
-ZERO_BUBBLE = frozenset({"interleaved_zb", "zbv"})
-"""Schedules whose theoretical bubble printed is an upper bound."""
 BUSY = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 """The `PipelineStage` methods whose wall time counts as a rank's busy time."""
 LOSS_RTOL = 1e-5

@@ -15,7 +15,7 @@ import torch
 
 from lmforge.hf.folder import load_pretrained
 from lmforge.monitor import read_metrics
-from tests.conftest import LONG, tiny_llama
+from tests.conftest import LONG, require, tiny_llama
 from tests.integration.runner import curve, same_curves, train_run, write_config
 from tests.integration.test_context_parallel_train import validation_matches_one_process
 from tests.integration.test_moe_train import RUN
@@ -105,3 +105,20 @@ def test_a_moe_under_pipeline_and_expert_parallelism_trains_like_one_process(tmp
         one = train_run(cfg, tmp_path / "one_q", *flags)
         piped = train_run(cfg, tmp_path / "zbv_q", *flags, *pp("zbv"), nproc=2)
         same_curves(one, {"zbv": piped}, (*keys, "moe/seq_aux_loss"), 8)
+
+
+@pytest.mark.long
+def test_compiled_checkpointed_and_fp8_stages_train_like_one_process(tmp_path: Path) -> None:
+    # compiled blocks with selective checkpointing (interleaved 1F1B; the zero-bubble schedules refuse selective
+    # checkpointing), and emulated float8 with full checkpointing under the split backward of interleaved_zb
+    require("torchao.float8")
+    cfg = write_config(tmp_path, "base", max_steps=4, arch=ARCH)
+    compiled = ("--model.compile", "true")
+    one = train_run(cfg, tmp_path / "one", *compiled)
+    selective = pp("interleaved_1f1b", "--model.ac.mode", "selective")
+    piped = train_run(cfg, tmp_path / "sel", *compiled, *selective, nproc=2)
+    same_curves(one, {"compiled_selective": piped}, KEYS, 4)
+    fp8 = ("--model.fp8", "tensorwise", "--model.fp8_emulate", "true")
+    one = train_run(cfg, tmp_path / "one_fp8", *fp8)
+    piped = train_run(cfg, tmp_path / "fp8", *fp8, *pp("interleaved_zb", "--model.ac.mode", "full"), nproc=2)
+    same_curves(one, {"fp8_full": piped}, KEYS, 4)

@@ -124,6 +124,11 @@ def test_a_rank_keeps_only_its_stages_under_their_full_names() -> None:
         ),
         (["--parallel.pp_layers", "[2, 2]"], None, r"parallel.pp_layers .*is set but parallel.pp is 1"),
         (
+            ["--parallel.pp", "2", "--parallel.pp_schedule", "zbv", "--model.ac.mode", "selective"],
+            None,
+            r"model.ac.mode .*'selective' does not run with the zbv schedule",
+        ),
+        (
             ["--parallel.pp", "2", "--parallel.ep", "4"],
             tiny_glm(),
             r"parallel.ep .*4 does not divide a stage group's "

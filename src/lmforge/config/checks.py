@@ -157,6 +157,8 @@ def tensor_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
 
 PIPELINE_SEAMS = (("tp", "tensor"),)
 """The parallel dimensions that do not compose with `parallel.pp` yet: (field, name)."""
+ZERO_BUBBLE = frozenset({"interleaved_zb", "zbv"})
+"""Pipeline schedules that split each backward into its input and weight parts."""
 
 
 def pipeline_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str]]:
@@ -182,6 +184,11 @@ def pipeline_problems(config: TrainConfig, world_size: int) -> list[tuple[str, s
     if ep > 1 and world_size == pp * ep and config.model.ac.mode == "selective":
         problems.append(("model.ac.mode", f"'selective' does not run with each rank's experts unsharded (parallel.ep "
                          f"= {ep} equal to a stage group's ranks); use 'full'"))  # fmt: skip
+    if parallel.pp_schedule in ZERO_BUBBLE and config.model.ac.mode == "selective":
+        # The split backward (input gradients, then weight gradients) runs autograd twice over each block, which
+        # torch's selective checkpointing refuses.
+        problems.append(("model.ac.mode", f"'selective' does not run with the {parallel.pp_schedule} schedule (its "
+                         "backward runs in two passes); use 'full', or 1f1b / interleaved_1f1b"))  # fmt: skip
     per_rank = parallel.pp_stages_per_rank or (1 if parallel.pp_schedule == "1f1b" else 2)
     if parallel.pp_schedule == "zbv" and per_rank != 2:
         problems.append(("parallel.pp_stages_per_rank", f"{per_rank}: the zbv schedule holds 2 stages per rank"))
