@@ -198,6 +198,13 @@ def head_inputs(hidden: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, VocabSh
     return hidden, weight, None
 
 
+def head_position_losses(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int) -> Tensor:
+    """Each position's fp32 cross-entropy [T] of the final hidden states [T, hidden] against targets [T] through the
+    LM head `weight` (scoring, no gradient), `chunk_tokens` at a time (0: 1024)."""
+    h, weight, shard = head_inputs(hidden, weight)
+    return head_token_losses(h, weight, targets, chunk_tokens or 1024, shard)
+
+
 def head_loss(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int) -> Tensor:
     """The fp32 sum of the token cross-entropies of the final hidden states [T, hidden] against targets [T]
     (IGNORE_INDEX where there is no loss), through the LM head `weight`, `chunk_tokens` at a time (0: at once)."""
@@ -371,8 +378,7 @@ class CausalLM(nn.Module):
             logits = self.lm_head(hidden.unsqueeze(0))
             return logits.full_tensor() if isinstance(logits, DTensor) else logits
         if per_token:
-            h, weight, shard = head_inputs(hidden, self.lm_head.weight)
-            return head_token_losses(h, weight, targets[0], self.loss_chunk_tokens or 1024, shard)
+            return head_position_losses(hidden, self.lm_head.weight, targets[0], self.loss_chunk_tokens)
         loss = head_loss(hidden, self.lm_head.weight, targets[0], self.loss_chunk_tokens)
         if not self.training or not len(self.model.mtp_layers):
             return loss

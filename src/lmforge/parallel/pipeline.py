@@ -33,8 +33,8 @@ from torch.distributed.pipelining import (
 
 from lmforge.config.parallel import ParallelConfig
 from lmforge.data.batch import MicroBatch
-from lmforge.model.llama import AbsentLayer, CausalLM, head_inputs, head_loss
-from lmforge.model.loss import IGNORE_INDEX, head_token_losses
+from lmforge.model.llama import AbsentLayer, CausalLM, head_loss, head_position_losses
+from lmforge.model.loss import IGNORE_INDEX
 from lmforge.model.params import count_params
 from lmforge.parallel.stages import PipeShard, balanced_split, stage_layers, stage_ranks, stages_per_rank
 
@@ -85,8 +85,7 @@ class StageModule(nn.Module):
         targets = mb.target_ids[0].masked_fill(~mb.loss_mask[0], IGNORE_INDEX)
         hidden, chunk = self.norm(x), model.loss_chunk_tokens
         if per_token:
-            h, weight, shard = head_inputs(hidden, self.lm_head.weight)
-            return head_token_losses(h, weight, targets, chunk or 1024, shard)
+            return head_position_losses(hidden, self.lm_head.weight, targets, chunk)
         loss = head_loss(hidden, self.lm_head.weight, targets, chunk)
         self.loss_sums.append(loss.detach())
         return loss
