@@ -75,11 +75,11 @@ def test_validation_under_cp_equals_one_process(tmp_path: Path) -> None:
 
 
 def validation_matches_one_process(
-    tmp_path: Path, layout: tuple[str, ...], arch: AnyArch | None = None, worker: bool = True
+    tmp_path: Path, layout: tuple[str, ...], arch: AnyArch | None = None, worker: bool = True, nproc: int = 2
 ) -> None:
-    """Held-out token sets, every set-file convention and (with `worker`) `lmforge eval` give on 2 processes in
-    `layout` (one CP or TP group, 2 HSDP replica groups, or 2 pipeline stages) the numbers they give on one process,
-    for the tiny Llama or `arch`."""
+    """Held-out token sets, every set-file convention and (with `worker`) `lmforge eval` give on `nproc` processes
+    in `layout` (one CP or TP group, 2 HSDP replica groups, 2 pipeline stages, ...) the numbers they give on one
+    process, for the tiny Llama or `arch`."""
     tok = word_tokenizer(tmp_path / "tok")
     write_shard(tmp_path / "heldout", "00000", random_docs(40, seed=5))
     sets, rng = tmp_path / "sets", np.random.default_rng(0)
@@ -94,7 +94,7 @@ def validation_matches_one_process(
            f'[{{name = "held", path = "{tmp_path / "heldout"}"}}, "words", "quiz", "minimal", '
            '{name = "words_h", convention = "lmeval"}]']  # fmt: skip
     train_run(cfg, tmp_path / "one", *val, "--val.save-arrays")
-    train_run(cfg, tmp_path / "cp2", *layout, *val, "--val.save-arrays", nproc=2)
+    train_run(cfg, tmp_path / "cp2", *layout, *val, "--val.save-arrays", nproc=nproc)
     for name in ("quiz@64.npz", "words_h@16.npz"):  # written once per group, with the same scores
         one, two = (np.load(tmp_path / run / "val_arrays" / "step_2" / name) for run in ("one", "cp2"))
         np.testing.assert_allclose(two["loglik"], one["loglik"], rtol=0, atol=1e-5)
@@ -107,7 +107,8 @@ def validation_matches_one_process(
     if not worker:
         return
     # lmforge eval scores the snapshots of a run in its layout too (2 processes: one group)
-    train_run(cfg, tmp_path / "snap", *layout, *val, "--eval-snapshots.interval", "2", "--no-val.eval-on-end", nproc=2)
+    train_run(cfg, tmp_path / "snap", *layout, *val, "--eval-snapshots.interval", "2", "--no-val.eval-on-end",
+              nproc=nproc)  # fmt: skip
     run = run_cli(["eval", str(tmp_path / "snap"), "--poll-seconds", "0.1"], nproc=2)
     assert run.returncode == 0, run.stderr[-3000:]
     (scored,) = [r for r in read_metrics(tmp_path / "snap" / "metrics.jsonl") if "time/val" in r]

@@ -1,7 +1,7 @@
 """Pipeline parallelism (`parallel.pp`) trains like one process: per-step losses, gradient norms (whole and per
 optimizer group) and loss-token counts of a 4-layer Llama cut into stages match one process within 1e-5 with every
-schedule, alone (2 processes) and with FSDP, HSDP or context parallelism inside the stages (4 processes), and so
-do an MoE's losses and routing biases, also with expert parallelism inside a stage; checkpoints resume across
+schedule, alone (2 processes) and with FSDP, HSDP, context or tensor parallelism inside the stages (4 processes), and
+so do an MoE's losses and routing biases, also with expert parallelism inside a stage; checkpoints resume across
 pipeline layouts (pp 2 -> one process -> pp 2 in a V), the run's export holds one process's weights, and
 validation (token sets and every set-file convention) and `lmforge eval` of its snapshots give one process's
 numbers."""
@@ -105,6 +105,36 @@ def test_a_moe_under_pipeline_and_expert_parallelism_trains_like_one_process(tmp
         one = train_run(cfg, tmp_path / "one_q", *flags)
         piped = train_run(cfg, tmp_path / "zbv_q", *flags, *pp("zbv"), nproc=2)
         same_curves(one, {"zbv": piped}, (*keys, "moe/seq_aux_loss"), 8)
+
+
+def test_pipeline_with_tensor_parallelism_inside_stages_trains_and_resumes_like_one_process(tmp_path: Path) -> None:
+    # pp 2 x tp 2: each stage's matmuls split over a TP pair, each rank sending its half of the sequence-parallel
+    # stream to its peer in the next stage. The split backward of the zero-bubble schedule runs the TP collectives
+    # of the input and weight gradients in two passes. Its checkpoint resumes on one process.
+    cfg = write_config(tmp_path, "base", max_steps=4, arch=ARCH)
+    one = train_run(cfg, tmp_path / "one")
+    tp = ("--parallel.tp", "2")
+    piped = train_run(cfg, tmp_path / "pp2_tp2", *pp("interleaved_zb", *tp, "--ckpt.interval", "2"), nproc=4)
+    runs = {"pp2_tp2": piped}
+    if LONG:
+        runs |= {s: train_run(cfg, tmp_path / s, *pp(s, *tp), nproc=4) for s in ("1f1b", "interleaved_1f1b", "zbv")}
+    same_curves(one, runs, KEYS, 4)
+    resumed = train_run(cfg, tmp_path / "resumed", "--resume.step", "2", "--resume.path", str(piped))
+    assert curve(resumed, "loss/mean") == pytest.approx(curve(one, "loss/mean")[2:], rel=1e-5)
+
+
+@pytest.mark.long
+def test_tensor_parallel_stages_validate_and_train_a_moe_like_one_process(tmp_path: Path) -> None:
+    # validation and lmforge eval through pp 2 x tp 2; an MoE's stages under TP (each rank routing its own tokens)
+    validation_matches_one_process(tmp_path / "val", pp("1f1b", "--parallel.tp", "2"), arch=ARCH, nproc=4)
+    cfg = tmp_path / "moe.toml"
+    cfg.write_text(RUN.format(out=tmp_path / "unused"))
+    keys = ("loss/mean", "optim/grad_norm", "moe/bias/abs_mean", "moe/rank_load/mean")
+    one = train_run(cfg, tmp_path / "one")
+    piped = train_run(cfg, tmp_path / "pp2_tp2", *pp("1f1b", "--parallel.tp", "2"), nproc=4)
+    same_curves(one, {"pp2_tp2": piped}, keys[:3], 8)
+    # each rank of a TP pair computes the expert copies of its own half of the tokens
+    assert curve(piped, keys[3]) == [load / 2 for load in curve(one, keys[3])]
 
 
 @pytest.mark.long

@@ -106,10 +106,9 @@ def test_a_rank_keeps_only_its_stages_under_their_full_names() -> None:
             r"parallel.pp_stages_per_rank .*the zbv schedule holds 2 stages per rank",
         ),
         (
-            ["--parallel.pp", "2", "--parallel.tp", "2"],
+            ["--parallel.pp", "2", "--parallel.tp", "4"],
             None,
-            r"parallel.tp .*tensor parallelism does not compose "
-            r"with parallel.pp = 2 yet",
+            r"parallel.pp .*2 x parallel.dp_replicate x parallel.cp x parallel.tp = 8 does not divide the world size 4",
         ),
         (
             ["--parallel.pp", "2", "--data.batch_tokens", "256"],

@@ -155,8 +155,6 @@ def tensor_problems(config: TrainConfig, world_size: int) -> list[tuple[str, str
     return problems
 
 
-PIPELINE_SEAMS = (("tp", "tensor"),)
-"""The parallel dimensions that do not compose with `parallel.pp` yet: (field, name)."""
 ZERO_BUBBLE = frozenset({"interleaved_zb", "zbv"})
 """Pipeline schedules that split each backward into its input and weight parts."""
 
@@ -169,14 +167,10 @@ def pipeline_problems(config: TrainConfig, world_size: int) -> list[tuple[str, s
         return [(f"parallel.{name}", f"{getattr(parallel, name)} is set but parallel.pp is 1")
                 for name in ("pp_stages_per_rank", "pp_layers") if getattr(parallel, name) is not None]  # fmt: skip
     problems: list[tuple[str, str]] = []
-    grid = pp * parallel.dp_replicate * parallel.cp
+    grid = pp * parallel.dp_replicate * parallel.cp * parallel.tp
     if world_size % grid:
-        problems.append(("parallel.pp", f"{pp} x parallel.dp_replicate x parallel.cp = {grid} does not divide the "
-                         f"world size {world_size}"))  # fmt: skip
-    for name, what in PIPELINE_SEAMS:
-        if getattr(parallel, name) > 1:
-            problems.append((f"parallel.{name}", f"{getattr(parallel, name)}: {what} parallelism does not compose with "
-                             f"parallel.pp = {pp} yet; use FSDP or HSDP within each stage"))  # fmt: skip
+        problems.append(("parallel.pp", f"{pp} x parallel.dp_replicate x parallel.cp x parallel.tp = {grid} does not "
+                         f"divide the world size {world_size}"))  # fmt: skip
     ep, group = parallel.ep, world_size // (pp * parallel.dp_replicate) if world_size % grid == 0 else 0
     if ep > 1 and group and group % ep:
         problems.append(("parallel.ep", f"{ep} does not divide a stage group's {group} ranks (world size / "

@@ -44,10 +44,10 @@ class ParallelConfig(Section):
     """Pipeline-parallel degree: the decoder layers are cut into stages held by this many groups of ranks (the
     embedding with the first stage, the final norm, LM head and loss with the last), and each step's micro-batches
     flow through them by `pp_schedule`. The outermost dimension: consecutive blocks of world size / pp ranks form
-    one stage group each (put stage boundaries between nodes). Inside a stage group, context parallelism takes
-    parallel.cp consecutive ranks and data parallelism the rest (world size / (pp x cp) groups); FSDP shards each
-    stage over the group's ranks. Composes with cp, ep (inside a stage group) and dp_replicate, not yet with tp; see
-    docs/training.md."""
+    one stage group each (put stage boundaries between nodes). Inside a stage group, tensor parallelism takes
+    parallel.tp consecutive ranks, context parallelism the next parallel.cp, and data parallelism the rest (world
+    size / (pp x cp x tp) groups); FSDP shards each stage over the group's ranks but the TP dimension. Composes with
+    tp, cp, ep (inside a stage group) and dp_replicate; see docs/training.md."""
 
     pp_schedule: Literal["1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = "1f1b"
     """How micro-batches move through the stages (torch.distributed.pipelining): `1f1b` (one stage per rank, one

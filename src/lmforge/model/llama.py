@@ -248,10 +248,14 @@ class DecoderModel(nn.Module):
         built once per forward and shared by every block (the MTP modules too)."""
         if input_ids.shape[0] != 1:
             raise ValueError(f"a micro-batch is one packed row; got batch size {input_ids.shape[0]}")
-        table = self.embed_tokens.weight
-        # Under tensor parallelism the table is split over the vocabulary and x holds this rank's tokens.
-        x = sharded_embedding(input_ids[0], table) if isinstance(table, DTensor) else self.embed_tokens(input_ids[0])
+        x = self.embed(input_ids[0])
         return x, *self.row_context(x, position_ids, doc_lens)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """The token embeddings [T, hidden] of one row's ids [T]: under tensor parallelism the table is split over
+        the vocabulary and the result holds this rank's tokens of the sequence-parallel stream (a DTensor)."""
+        table = self.embed_tokens.weight
+        return sharded_embedding(ids, table) if isinstance(table, DTensor) else self.embed_tokens(ids)
 
     def row_context(self, x: Tensor, position_ids: Tensor, doc_lens: Tensor) -> tuple[Tensor, Tensor, DocumentMask]:
         """The rotary tables (in x's dtype) and the document mask of the row whose hidden states x [T, hidden] a

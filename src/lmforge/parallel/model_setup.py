@@ -82,14 +82,15 @@ def build_pipelined_model(
     assert arch is not None, "model.arch is filled in from model.name when the config is loaded"
     model = _meta_model(config, tokenizer, ctx.device)
     modules = split_stages(model, config.parallel, ctx.pp)
-    _convert_fp8(model, config, ctx, ctx.device, fsdp_all_gather=True)  # FSDP always wraps the stages
+    # FSDP always wraps the stages; under TP each layer casts its gathered weight instead (see build_run_model)
+    _convert_fp8(model, config, ctx, ctx.device, fsdp_all_gather=config.parallel.tp == 1)
     parallelize(model, model.blocks, config.model, ctx, roots=modules)
     data = config.data
     rows = data.batch_tokens // (data.micro_batch_tokens * ctx.dp_size)
     dtype = resolve_param_dtype(config.model.param_dtype, ctx.device)
     # Under context parallelism a stage holds its rank's 1 / cp of each row.
     pipeline = build_pipeline(modules, ctx.pp, config.parallel, rows, data.micro_batch_tokens // ctx.cp.size,
-                              arch.hidden_size, dtype, ctx.device)  # fmt: skip
+                              arch.hidden_size, dtype, ctx.device, ctx.tp)  # fmt: skip
     return model, pipeline
 
 

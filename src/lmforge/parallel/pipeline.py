@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -30,6 +31,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor
 
 from lmforge.config.parallel import ParallelConfig
 from lmforge.data.batch import MicroBatch
@@ -37,6 +39,7 @@ from lmforge.model.llama import AbsentLayer, CausalLM, head_loss, head_position_
 from lmforge.model.loss import IGNORE_INDEX
 from lmforge.model.params import count_params
 from lmforge.parallel.stages import PipeShard, balanced_split, stage_layers, stage_ranks, stages_per_rank
+from lmforge.parallel.tensor import NO_TENSOR_PARALLEL, TOKENS, TensorShard
 
 SCHEDULES: dict[str, Any] = {
     "1f1b": Schedule1F1B,
@@ -67,6 +70,9 @@ class StageModule(nn.Module):
         """Which of `rows` the next forward runs (set by the pipeline stage before each forward)."""
         self.loss_sums: list[Tensor] = []
         """The last stage's loss sums of the step, one per micro-batch in order."""
+        self.stream_mesh: DeviceMesh | None = None
+        """Under tensor parallelism, the TP mesh whose sequence-parallel stream this stage's input is this rank's
+        share of (`TOKENS`): hidden states cross stages as each rank's local tokens."""
 
     def forward(self, x: Tensor, per_token: bool = False) -> Tensor:
         """input_ids [1, T] (first stage) or the previous stage's hidden states [T, hidden] -> this stage's hidden
@@ -75,12 +81,16 @@ class StageModule(nn.Module):
         mb = self.rows[self.current]
         model = self._model[0]
         if self.embed_tokens is not None:
-            x = self.embed_tokens(x[0])
+            x = model.model.embed(x[0])
+        elif self.stream_mesh is not None:
+            x = DTensor.from_local(x, self.stream_mesh, [TOKENS])
         cos, sin, mask = model.model.row_context(x, mb.position_ids, mb.doc_lens)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
         if self.lm_head is None:
-            return x
+            # Under tensor parallelism each rank sends its own tokens of the stream to its peer in the next stage, as
+            # a tensor of its own: the zero-bubble schedules detach stage outputs in place, which a view refuses.
+            return x.to_local().clone() if isinstance(x, DTensor) else x
         assert self.norm is not None
         targets = mb.target_ids[0].masked_fill(~mb.loss_mask[0], IGNORE_INDEX)
         hidden, chunk = self.norm(x), model.loss_chunk_tokens
@@ -202,7 +212,8 @@ class Pipeline:
         out = torch.zeros(tokens if per_token else (), device=mb.input_ids.device)
         for stage, module in mine.items():
             if stage > 0 and self.owners[stage - 1] != self.pp.rank:
-                x = torch.empty(tokens, self.hidden_size, dtype=self.dtype, device=mb.input_ids.device)
+                x = torch.empty(tokens // self.stream_split, self.hidden_size, dtype=self.dtype,
+                                device=mb.input_ids.device)  # fmt: skip
                 dist.recv(x, group=self.pp.group, group_src=self.owners[stage - 1])
             module.rows, module.current = (mb,), 0
             x = module(x, per_token=per_token)
@@ -212,6 +223,12 @@ class Pipeline:
             elif self.owners[stage + 1] != self.pp.rank:
                 dist.send(x.contiguous(), group=self.pp.group, group_dst=self.owners[stage + 1])
         return out
+
+    @property
+    def stream_split(self) -> int:
+        """Ranks each row's hidden states are split over between stages: `parallel.tp` (sequence parallel)."""
+        mesh = self.modules[0].stream_mesh
+        return 1 if mesh is None else mesh.size()
 
     @property
     def hidden_size(self) -> int:
@@ -228,14 +245,17 @@ def build_pipeline(
     hidden_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    tp: TensorShard = NO_TENSOR_PARALLEL,
 ) -> Pipeline:
     """The pipeline stages and schedule of this rank's (sharded, materialized) stage modules, for steps of
-    `micro_batches` rows of `row_tokens` tokens, the hidden states between stages in `dtype`."""
+    `micro_batches` rows of `row_tokens` tokens, the hidden states between stages in `dtype`. Under tensor
+    parallelism (`tp`) each rank sends and receives its row_tokens / tp tokens of the sequence-parallel stream."""
     owners, mine = stage_owners(parallel, pp)
     stages = []
     # Hidden states cross stages with their gradient coming back.
-    hidden = torch.empty(row_tokens, hidden_size, dtype=dtype, device="meta", requires_grad=True)
+    hidden = torch.empty(row_tokens // tp.size, hidden_size, dtype=dtype, device="meta", requires_grad=True)
     for index, module in zip(mine, modules, strict=True):
+        module.stream_mesh = tp.mesh
         first, last = index == 0, index == len(owners) - 1
         inputs = torch.empty(1, row_tokens, dtype=torch.int64, device="meta") if first else hidden
         outputs = torch.empty((), dtype=torch.float32, device="meta") if last else hidden

@@ -144,7 +144,7 @@ def init_distributed(
             raise ValueError(f"parallel.{name} = {degree} does not divide the world size {world}")
     rank = dist.get_rank()
     if pp > 1:
-        ctx = _pipeline_context(rank, world, local_rank, device, dp_replicate, cp, pp,
+        ctx = _pipeline_context(rank, world, local_rank, device, dp_replicate, cp, tp, pp,
                                 stage_ranks(pp, pp_stages_per_rank, pp_schedule)[-1])  # fmt: skip
         if ep > 1:
             ctx.ep = _pipeline_expert_shard(device, world, rank, ep, dp_replicate, pp)
@@ -242,18 +242,20 @@ def _shard_mesh(grid: DeviceMesh, dp_replicate: int, cp: int) -> tuple[DeviceMes
 
 
 def _pipeline_context(rank: int, world: int, local_rank: int, device: torch.device, dp_replicate: int, cp: int,
-                      pp: int, loss_rank: int) -> DistContext:  # fmt: skip
-    """The context of a pipeline-parallel run: a (pp, replicate, shard, cp) grid whose outer dimension links the
-    stages of the same rows and whose inner ones are each stage group's FSDP mesh (2-D under HSDP), context-parallel
-    groups innermost."""
-    if world % (pp * dp_replicate * cp):
-        raise ValueError(f"parallel.pp x dp_replicate x cp = {pp * dp_replicate * cp} does not divide the world size "
-                         f"{world}")  # fmt: skip
-    grid = init_device_mesh(device.type, (pp, dp_replicate, world // (pp * dp_replicate * cp), cp),
-                            mesh_dim_names=("pp", "replicate", "shard", "cp"))  # fmt: skip
+                      tp: int, pp: int, loss_rank: int) -> DistContext:  # fmt: skip
+    """The context of a pipeline-parallel run: a (pp, replicate, shard, cp, tp) grid whose outer dimension links the
+    stages of the same rows and whose inner ones are each stage group's FSDP mesh (2-D under HSDP), its
+    context-parallel groups and, innermost, its tensor-parallel groups. The ranks that exchange a stage's hidden
+    states hold the same TP rank, so each sends its own share of the sequence-parallel stream."""
+    if world % (pp * dp_replicate * cp * tp):
+        raise ValueError(f"parallel.pp x dp_replicate x cp x tp = {pp * dp_replicate * cp * tp} does not divide the "
+                         f"world size {world}")  # fmt: skip
+    grid = init_device_mesh(device.type, (pp, dp_replicate, world // (pp * dp_replicate * cp * tp), cp, tp),
+                            mesh_dim_names=("pp", "replicate", "shard", "cp", "tp"))  # fmt: skip
     mesh, context = _shard_mesh(grid, dp_replicate, cp)
     shard = PipeShard(grid.get_group("pp"), grid.get_local_rank("pp"), pp, loss_rank)
-    return DistContext(rank, world, local_rank, device, mesh, context, pp=shard)
+    tensor = TensorShard(grid["tp"], grid.get_local_rank("tp"), tp) if tp > 1 else NO_TENSOR_PARALLEL
+    return DistContext(rank, world, local_rank, device, mesh, context, tp=tensor, pp=shard)
 
 
 def shutdown_distributed() -> None:

@@ -252,16 +252,16 @@ def apply_tensor_parallel(
     if model.vocab_size % tp.size:
         raise ConfigError(f"parallel.tp = {tp.size} does not divide the model's vocabulary of {model.vocab_size} "
                           "token ids (the embedding and LM head are split over it)")  # fmt: skip
-    parallelize_module(
-        model,
-        mesh,
-        {
-            # split over the vocabulary; `lmforge.model.vocab_parallel` looks ids up without a host read
-            "model.embed_tokens": _VocabRows(),
-            "model.norm": SequenceParallel(sequence_dim=0),
-            "lm_head": ColwiseParallel(use_local_output=False),
-        },
-    )
+    ends = {
+        # split over the vocabulary; `lmforge.model.vocab_parallel` looks ids up without a host read
+        (model.model, "embed_tokens"): _VocabRows(),
+        (model.model, "norm"): SequenceParallel(sequence_dim=0),
+        (model, "lm_head"): ColwiseParallel(use_local_output=False),
+    }
+    for (parent, name), style in ends.items():
+        # a pipeline stage holds the embedding only where it is first, the norm and head where it is last
+        if getattr(parent, name) is not None:
+            parallelize_module(getattr(parent, name), mesh, style)
     for block in model.blocks:
         parallelize_module(block, mesh, _block_plan(block, expert_parallel, float8_gather))  # type: ignore[arg-type]
         attn = block.self_attn
