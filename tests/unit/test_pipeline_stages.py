@@ -4,6 +4,7 @@ and the config errors that name the field."""
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -141,9 +142,28 @@ def test_pipeline_config_errors_name_the_field(tmp_path: Path, flags: list[str],
         load_train_config(["@", str(cfg), *flags], 4)
 
 
-def test_plan_refuses_a_pipeline_layout_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_traces_every_pipeline_rank_and_refuses_the_schedules_it_cannot_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from lmforge.commands.plan import main
 
     cfg = write_config(tmp_path, "run", arch=tiny_llama(num_hidden_layers=4, max_position_embeddings=256))
-    assert main(["@", str(cfg), "--gpus", "2", "--parallel.pp", "2"]) == 2
-    assert "parallel.pp = 2: the planner does not model pipeline stages yet" in capsys.readouterr().err
+    flat, piped = tmp_path / "flat.json", tmp_path / "piped.json"
+    assert main(["@", str(cfg), "--gpus", "4", "--vocab-size", "200", "--json", str(flat)]) == 0
+    assert main(["@", str(cfg), "--gpus", "4", "--vocab-size", "200", "--parallel.pp", "2", "--json", str(piped)]) == 0
+    one, two = (json.loads(p.read_text()) for p in (flat, piped))
+    ranks = two["pipeline_ranks"]
+    assert [r["layers"] for r in ranks] == ["layers 0-1", "layers 2-3"]
+    assert all(r["peak_bytes"] > 0 and r["busy_seconds"] > 0 for r in ranks)
+    assert two["peak_bytes"] == max(r["peak_bytes"] for r in ranks)
+    assert two["step_seconds_estimate"] == pytest.approx(max(r["step_seconds"] for r in ranks))
+    # 4 micro-batches per rank at pp 2 in 1F1B: (p - 1) / (m + p - 1), a fifth of the step idle in theory
+    assert two["micro_batches"] == 4 and two["pipeline_bubble"] == pytest.approx(1 / 5)
+    # a GPU's share of the step's tokens and FLOPs is 1 / world size whatever the layout (the attention FLOPs
+    # differ with the rows each rank is dealt)
+    assert two["tokens_per_step"] == one["tokens_per_step"]
+    assert two["flops_6nd_per_step"] == pytest.approx(one["flops_6nd_per_step"])
+    assert "pipeline" in two["choices"] and "pp 2 x dp 2" in two["choices"]["layout"]
+    capsys.readouterr()
+    assert main(["@", str(cfg), "--gpus", "2", "--parallel.pp", "2", "--parallel.pp_schedule", "zbv"]) == 2
+    assert "parallel.pp_schedule = 'zbv': the plan traces 1f1b only" in capsys.readouterr().err

@@ -83,9 +83,9 @@ def main(argv: list[str]) -> int:
         config, _ = load_train_config(rest, None if gpus is None else int(gpus))  # type: ignore[call-overload]
     except ConfigError as e:
         return fail("plan", str(e))
-    if config.parallel.pp > 1:
-        return fail("plan", f"parallel.pp = {config.parallel.pp}: the planner does not model pipeline stages yet; plan "
-                    "one stage's share by hand or with parallel.pp = 1")  # fmt: skip
+    if config.parallel.pp > 1 and flags.get("--check-cuda"):
+        return fail("plan", f"parallel.pp = {config.parallel.pp}: --check-cuda does not run pipeline stages yet; check "
+                    "the same model with parallel.pp = 1")  # fmt: skip
     deployment = config.deployment
     world = int(gpus) if gpus is not None else deployment.num_nodes * deployment.procs_per_node  # type: ignore[call-overload]
     per_node = int(flags.get("--gpus-per-node", deployment.procs_per_node if deployment.procs_per_node > 1 else 8))  # type: ignore[call-overload]
@@ -167,14 +167,14 @@ def plan_and_report(
     from rich.console import Console
 
     from lmforge.plan.fit import hybrid_sharding_hint, suggestions
+    from lmforge.plan.ranks import plan_run
     from lmforge.plan.report import PlanReport, render
-    from lmforge.plan.step import plan_step
 
     if config.model.fp8 != "none" and not config.model.fp8_emulate and not gpu.fp8:
         raise ValueError(f"model.fp8 = {config.model.fp8!r} needs FP8 tensor cores, which {gpu.name} lacks")
 
     def plan(cfg: TrainConfig) -> PlanReport:
-        return PlanReport(plan_step(cfg, world, gpu, per_node, doc_len, vocab), gpu, world, per_node, headroom)
+        return PlanReport(plan_run(cfg, world, gpu, per_node, doc_len, vocab), gpu, world, per_node, headroom)
 
     start = time.perf_counter()
     report = plan(config)

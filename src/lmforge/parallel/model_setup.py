@@ -73,21 +73,25 @@ def build_run_model(
 
 
 def build_pipelined_model(
-    config: TrainConfig, tokenizer: TokenizerInfo | None, ctx: DistContext
+    config: TrainConfig,
+    tokenizer: TokenizerInfo | None,
+    ctx: DistContext,
+    target: torch.device | None = None,
 ) -> tuple[CausalLM, Pipeline]:
     """Under pipeline parallelism (`parallel.pp` > 1): the configured model with only this rank's stages in it,
     sharded over its stage group's data-parallel ranks, and the pipeline that trains it. Weights uninitialized, as
-    `build_run_model` leaves them."""
+    `build_run_model` leaves them; `target` as there (`lmforge plan` builds a CUDA run's stages on fake tensors)."""
     arch = config.model.arch
     assert arch is not None, "model.arch is filled in from model.name when the config is loaded"
-    model = _meta_model(config, tokenizer, ctx.device)
+    target = target or ctx.device
+    model = _meta_model(config, tokenizer, target)
     modules = split_stages(model, config.parallel, ctx.pp)
     # FSDP always wraps the stages; under TP each layer casts its gathered weight instead (see build_run_model)
-    _convert_fp8(model, config, ctx, ctx.device, fsdp_all_gather=config.parallel.tp == 1)
-    parallelize(model, model.blocks, config.model, ctx, roots=modules)
+    _convert_fp8(model, config, ctx, target, fsdp_all_gather=config.parallel.tp == 1)
+    parallelize(model, model.blocks, config.model, ctx, target, roots=modules)
     data = config.data
     rows = data.batch_tokens // (data.micro_batch_tokens * ctx.dp_size)
-    dtype = resolve_param_dtype(config.model.param_dtype, ctx.device)
+    dtype = resolve_param_dtype(config.model.param_dtype, target)
     # Under context parallelism a stage holds its rank's 1 / cp of each row.
     pipeline = build_pipeline(modules, ctx.pp, config.parallel, rows, data.micro_batch_tokens // ctx.cp.size,
                               arch.hidden_size, dtype, ctx.device, ctx.tp)  # fmt: skip

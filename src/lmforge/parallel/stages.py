@@ -90,3 +90,12 @@ def stage_layers(sizes: Sequence[int]) -> list[range]:
         out.append(range(start, start + size))
         start += size
     return out
+
+
+def schedule_bubble(pp: int, per_rank: int, micro_batches: int) -> float:
+    """The idle share of a step in theory, with `micro_batches` per rank and step: (p - 1) / (v m + p - 1) for v
+    stages per rank (1F1B: v = 1). For the zero-bubble schedules, whose weight gradients fill part of it, this is
+    an upper bound."""
+    if pp == 1:
+        return 0.0
+    return (pp - 1) / (per_rank * micro_batches + pp - 1)

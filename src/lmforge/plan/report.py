@@ -77,6 +77,7 @@ class PlanReport:
             "mfu_estimate": self.mfu,
             "collectives": {k: vars(v) for k, v in sorted(p.comms.items())},
             "choices": p.choices, "batches": p.batches_source, "notes": p.notes,
+            **({"pipeline_bubble": p.bubble, "pipeline_ranks": p.pipeline_ranks} if p.pipeline_ranks else {}),
         }  # fmt: skip
 
 
@@ -97,6 +98,8 @@ def render(report: PlanReport, console: Console) -> None:
     else:
         _render_memory(report, console)
     _render_speed(report, console)
+    if p.pipeline_ranks:
+        _render_pipeline(report, console)
     for note in p.notes:
         console.print(f"note: {note}", highlight=False)
 
@@ -143,3 +146,17 @@ def _render_speed(report: PlanReport, console: Console) -> None:
             comms.add_row(kind, str(t.calls), f"{t.buffer_bytes / GIB:.3f}", f"{t.sent_bytes / GIB:.3f}",
                           f"{t.seconds * 1e3:.1f}")  # fmt: skip
         console.print(comms)
+
+
+def _render_pipeline(report: PlanReport, console: Console) -> None:
+    """Every pipeline rank's peak and times: the tables above are the rank with the highest peak."""
+    p = report.plan
+    table = Table(title=f"pipeline ranks (the tables above: the highest peak; {p.bubble:.1%} of each step idle in "
+                  "theory)", title_justify="left")  # fmt: skip
+    for col in ("rank", "stages", "peak GiB", "busy ms", "step ms"):
+        table.add_column(col, justify="left" if col == "stages" else "right")
+    for rank in p.pipeline_ranks:
+        table.add_row(str(rank["pipeline_rank"]), rank["layers"],
+                      f"{rank['peak_bytes'] / GIB:.2f}", f"{rank['busy_seconds'] * 1e3:.1f}",
+                      f"{rank['step_seconds'] * 1e3:.1f}")  # fmt: skip
+    console.print(table)

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import itertools
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -27,22 +27,26 @@ import torch.distributed as dist
 
 from lmforge.config.train import TrainConfig
 from lmforge.data.tokenizer import TokenizerError, TokenizerInfo, load_tokenizer
+from lmforge.model import build_model
 from lmforge.model.attention import describe_backend
 from lmforge.model.completep import role_scales
 from lmforge.optim import build_optimizer
 from lmforge.parallel.context import shard_micro_batch
 from lmforge.parallel.fsdp import fsdp_wraps, resolve_param_dtype
-from lmforge.parallel.model_setup import build_run_model
-from lmforge.parallel.process_group import DistContext, init_distributed
+from lmforge.parallel.model_setup import build_pipelined_model, build_run_model
+from lmforge.parallel.pipeline import Pipeline
+from lmforge.parallel.process_group import DistContext, init_distributed, mesh_degrees
+from lmforge.parallel.stages import schedule_bubble, stages_per_rank
 from lmforge.plan.attention import stand_in_for_flex
 from lmforge.plan.batches import plan_batches
 from lmforge.plan.collectives import IN_LINE, Collectives, Traffic
 from lmforge.plan.experts import balance_dispatches
 from lmforge.plan.gpus import GpuSpec
 from lmforge.plan.muon import host_row_tables
+from lmforge.plan.pipeline import static_shapes
 from lmforge.plan.roofline import ATTENTION_OPS, Roofline
 from lmforge.train.flops import FlopCounter
-from lmforge.train.micro_batches import run_micro_batches
+from lmforge.train.micro_batches import run_micro_batches, run_pipelined
 
 CUDA = torch.device("cuda")
 """The device whose choices the plan makes (its tensors stay fake CPU tensors)."""
@@ -141,12 +145,26 @@ class StepPlan:
     in_line_seconds: float = 0.0
     """Of those, the tensor-parallel collectives' time (kinds ending in `IN_LINE`): between operators, not
     overlapped."""
+    bubble: float = 0.0
+    """Under pipeline parallelism, the schedule's idle share of the step in theory (`schedule_bubble`)."""
+    held_layers: str = ""
+    """Under pipeline parallelism, the decoder layers of this rank's stages, e.g. `layers 0-3, layers 8-11`."""
+    pipeline_ranks: list[dict[str, Any]] = field(default_factory=list)
+    """Under pipeline parallelism, every pipeline rank's figures (`lmforge.plan.ranks`); this plan is the rank
+    with the highest peak."""
+
+    @property
+    def busy_seconds(self) -> float:
+        """This rank's work in a step: compute, with the collectives overlapped behind it (FSDP prefetches), plus the
+        tensor-parallel collectives, which wait for the operators before them and hold up the ones after."""
+        return max(self.compute_seconds, self.comm_seconds - self.in_line_seconds) + self.in_line_seconds
 
     @property
     def step_seconds(self) -> float:
-        """Estimated step time: compute, with the collectives overlapped behind it (FSDP prefetches), plus the
-        tensor-parallel collectives, which wait for the operators before them and hold up the ones after."""
-        return max(self.compute_seconds, self.comm_seconds - self.in_line_seconds) + self.in_line_seconds
+        """Estimated step time: the busy time, over the share of the step a pipeline schedule keeps the rank busy
+        (the slowest pipeline rank's when `pipeline_ranks` are planned)."""
+        own = self.busy_seconds / (1 - self.bubble)
+        return max([own, *(r["step_seconds"] for r in self.pipeline_ranks)])
 
 
 def plan_tokenizer(config: TrainConfig, vocab_size: int | None) -> tuple[TokenizerInfo | None, str | None]:
@@ -203,8 +221,8 @@ def _categories(snapshot: dict[str, int]) -> dict[str, float]:
     return memory
 
 
-def fake_world(config: TrainConfig, world_size: int, mesh_device: str = "cpu") -> DistContext:
-    """Rank 0 of a fake process group of `world_size` ranks, with the run's device meshes on `mesh_device`."""
+def fake_world(config: TrainConfig, world_size: int, mesh_device: str = "cpu", rank: int = 0) -> DistContext:
+    """Rank `rank` of a fake process group of `world_size` ranks, with the run's device meshes on `mesh_device`."""
     try:
         from torch.testing._internal.distributed.fake_pg import FakeStore
     except ImportError as e:
@@ -212,10 +230,8 @@ def fake_world(config: TrainConfig, world_size: int, mesh_device: str = "cpu") -
                          f"(torch.testing._internal.distributed.fake_pg: {e}); planning needs one") from e  # fmt: skip
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    parallel = config.parallel
-    return init_distributed(cp=parallel.cp, ep=parallel.ep, dp_replicate=parallel.dp_replicate, tp=parallel.tp,
-                            mesh_device=mesh_device)  # fmt: skip
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    return init_distributed(mesh_device=mesh_device, **mesh_degrees(config.parallel))
 
 
 @contextlib.contextmanager
@@ -248,10 +264,12 @@ def plan_step(
     vocab_size: int | None = None,
     target: torch.device = CUDA,
     fake: bool = True,
+    rank: int = 0,
 ) -> StepPlan:
-    """Build the run's model on rank 0 of `world_size` fake ranks and trace one optimizer step (see the module).
-    `target` is the device whose choices the model takes. With `fake` False the same step runs on real CPU tensors
-    (uninitialized weights, one rank): what the plan's memory figures are tested against."""
+    """Build the run's model on rank `rank` of `world_size` fake ranks and trace one optimizer step (see the
+    module). `target` is the device whose choices the model takes. With `fake` False the same step runs on real CPU
+    tensors (uninitialized weights, one rank): what the plan's memory figures are tested against. Under pipeline
+    parallelism the rank runs its stages through the run's schedule (`lmforge.plan.pipeline`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     notes: list[str] = []
@@ -261,7 +279,8 @@ def plan_step(
     tokenizer, vocab_note = plan_tokenizer(config, vocab_size)
     if vocab_note:
         notes.append(vocab_note)
-    ctx = fake_world(config, world_size)
+    ctx = fake_world(config, world_size, rank=rank)
+    pipeline: Pipeline | None = None
     # read outside fake tensors: a mesh's rank table is a tensor
     tp_ranks = frozenset(ctx.tp.mesh.mesh.flatten().tolist()) if ctx.tp.mesh is not None else frozenset()
     try:
@@ -271,7 +290,7 @@ def plan_step(
         arch = config.model.arch
         assert arch is not None, "model.arch is filled in from model.name when the config is loaded"
         defer = config.model.defer_grad_sync
-        unwrapped = fake and not fsdp_wraps(config.model, ctx, target)
+        unwrapped = fake and ctx.pp.size == 1 and not fsdp_wraps(config.model, ctx, target)
         if unwrapped:
             # A model FSDP does not wrap (float32 on one GPU) is given storage by `to_empty`, which cannot swap out
             # parameters made under fake tensors: build it on the meta device first, outside them.
@@ -280,6 +299,9 @@ def plan_step(
             if unwrapped:
                 model.to_empty(device=CPU)
                 model.tie_weights()
+            elif ctx.pp.size > 1:
+                model, pipeline = build_pipelined_model(config, tokenizer, ctx, target)
+                static_shapes(pipeline)
             else:
                 model = build_run_model(config, tokenizer, ctx, target=target)
             flex = stand_in_for_flex(model)
@@ -295,7 +317,8 @@ def plan_step(
             optimizer = build_optimizer(model, config.optim, scale, config.schedule, config.max_steps)
             host_row_tables(optimizer.optimizers)
             # The first step creates the optimizer state; the second, measured, is what every later step costs.
-            _step(model, optimizer, micro_batches[:1], defer)
+            # A pipeline schedule runs the step's every micro-batch, each through this rank's stages.
+            _step(model, optimizer, micro_batches if pipeline else micro_batches[:1], defer, pipeline)
             tracker = _tracker(model, optimizer.optimizers, notes)
             roofline, comms = Roofline(gpu), Collectives(gpu, gpus_per_node, tp_ranks)
             marks: list[Tally] = []
@@ -303,16 +326,28 @@ def plan_step(
             # and with `defer_grad_sync` the same missing reduction), and only the last reduce-scatters then.
             traced = [micro_batches[0], micro_batches[-1]] if len(micro_batches) > 1 else micro_batches
             mark = lambda first: _mark(marks, roofline, comms, None if first else tracker)  # noqa: E731
-            with _before_each_forward(model, mark), tracker or contextlib.nullcontext(), roofline, comms:
+            if pipeline is not None:
+                # torch's trackers follow one forward per module: their statistics restart at each stage forward
+                mark = lambda first: None if first or tracker is None else tracker.reset_mod_stats()  # noqa: E731
+            forwards = pipeline.modules if pipeline is not None else [model]
+            with _before_each_forward(forwards, mark), tracker or contextlib.nullcontext(), roofline, comms:
                 _mark(marks, roofline, comms)
-                run_micro_batches(model, traced, CPU, defer)
+                if pipeline is None:
+                    run_micro_batches(model, traced, CPU, defer)
+                else:
+                    run_pipelined(pipeline, micro_batches, CPU)
                 _mark(marks, roofline, comms)
                 _update(optimizer)
                 _mark(marks, roofline, comms)
             snapshot = tracker.get_tracker_snapshot("peak") if tracker is not None else {}
         # Phases: the step's loss-token count, each traced micro-batch, the update.
         phases = [b - a for a, b in itertools.pairwise(marks)]
-        if len(micro_batches) > 1:
+        if pipeline is not None:
+            update = phases[1]
+            # Every micro-batch traced: torch's stages hold buffers per micro-batch of the step, so the peak grows
+            # with their number beyond the schedule's in-flight activations.
+            step = phases[0] + update
+        elif len(micro_batches) > 1:
             prelude, first, last, update = phases
             step = prelude + first.times(len(micro_batches) - 1) + last + update
             notes.append(f"traced the first and last of the {len(micro_batches)} micro-batches; the step's time and "
@@ -322,12 +357,15 @@ def plan_step(
             step = phases[0] + phases[1] + update
         memory = _categories(next(iter(snapshot.values()), {})) if tracker is not None else {}
         windows = [arch.attention_window(i) for i in range(arch.num_hidden_layers)]
-        counter = FlopCounter(model, arch.num_hidden_layers, arch.num_attention_heads, arch.dim_per_head, windows,
+        # Under pipeline parallelism the FLOPs are the whole model's, each GPU's share 1 / pp of them.
+        whole = model if pipeline is None else build_model(arch, model.vocab_size, config.model.attn, target, meta=True)
+        counter = FlopCounter(whole, arch.num_hidden_layers, arch.num_attention_heads, arch.dim_per_head, windows,
                               arch.value_head_dim)  # fmt: skip
-        # A TP group trains on the same rows: each GPU's share is 1 / tp of their tokens and of the model's FLOPs.
-        tp = ctx.tp.size
-        tokens = sum(mb.tokens for mb in micro_batches) // tp
-        pairs = counter.pairs([mb.doc_lens for mb in rows]) / ctx.cp.size / tp
+        # A TP group trains on the same rows, and so does a pipeline group: each GPU's share is 1 / (tp x pp) of
+        # their tokens and of the model's FLOPs.
+        split = ctx.tp.size * ctx.pp.size
+        tokens = sum(mb.tokens for mb in rows) // ctx.cp.size // split
+        pairs = counter.pairs([mb.doc_lens for mb in rows]) / ctx.cp.size / split
         flops, dense = counter.step_flops(tokens, pairs)
         compute = step.seconds
         formula = sorted(n for n in step.uncounted if n in ATTENTION_OPS) + (["flex_attention"] if flex else [])
@@ -350,23 +388,39 @@ def plan_step(
             "compile": "on (planned eager)" if compiled else "off",
             "layout": ctx.describe_layout(),
         }
+        bubble, held = 0.0, ""
+        if pipeline is not None:
+            parallel = config.parallel
+            per_rank = stages_per_rank(parallel.pp_schedule, parallel.pp_stages_per_rank)
+            bubble = schedule_bubble(ctx.pp.size, per_rank, len(rows))
+            held = ", ".join(f"layers {m.layer_indices.start}-{m.layer_indices.stop - 1}" for m in pipeline.modules)
+            choices["pipeline"] = (f"rank {ctx.pp.rank} of {ctx.pp.size} ({parallel.pp_schedule}): {held}; "
+                                   f"{bubble:.1%} of the step idle in theory")  # fmt: skip
+            notes.append("pipeline: the stages' point-to-point sends are not in the collective time (one hidden "
+                         "state per micro-batch and boundary)")  # fmt: skip
         return StepPlan(
             memory=memory, peak_bytes=sum(memory.values()), tokens=tokens, flops=flops, dense_flops=dense,
             traced_flops=step.flops - update.flops, optimizer_flops=update.flops, compute_seconds=compute,
             comms=step.traffic,
             comm_seconds=sum(t.seconds for t in step.traffic.values()),
             in_line_seconds=sum(t.seconds for kind, t in step.traffic.items() if kind.endswith(IN_LINE)),
-            micro_batches=len(micro_batches),
+            micro_batches=len(rows),
             batches_source=batches.source,
-            choices=choices, notes=notes,
+            choices=choices, notes=notes, bubble=bubble, held_layers=held,
         )  # fmt: skip
     finally:
         dist.destroy_process_group()
 
 
-def _step(model: torch.nn.Module, optimizer: Any, micro_batches: list[Any], defer: bool) -> None:
-    """The trainer's step without its host reads: forward/backward, then the update."""
-    run_micro_batches(model, micro_batches, CPU, defer)
+def _step(
+    model: torch.nn.Module, optimizer: Any, micro_batches: list[Any], defer: bool, pipeline: Pipeline | None = None
+) -> None:
+    """The trainer's step without its host reads: forward/backward (through `pipeline`'s schedule under pipeline
+    parallelism), then the update."""
+    if pipeline is None:
+        run_micro_batches(model, micro_batches, CPU, defer)
+    else:
+        run_pipelined(pipeline, micro_batches, CPU)
     _update(optimizer)
 
 
@@ -387,15 +441,16 @@ def _mark(marks: list[Tally], roofline: Roofline, comms: Collectives, tracker: A
 
 
 @contextlib.contextmanager
-def _before_each_forward(model: torch.nn.Module, call: Callable[[bool], Any]) -> Iterator[None]:
-    """Within this block, run `call(first)` before every forward of `model` (`first` on the first one). A global
-    hook, entered before the tracker's: it runs before the hooks the trackers add, module or global."""
+def _before_each_forward(models: Sequence[torch.nn.Module], call: Callable[[bool], Any]) -> Iterator[None]:
+    """Within this block, run `call(first)` before every forward of any of `models` (`first` on the first one). A
+    global hook, entered before the tracker's: it runs before the hooks the trackers add, module or global."""
     from torch.nn.modules.module import register_module_forward_pre_hook
 
     calls = [0]
+    watched = {id(m) for m in models}
 
     def before_forward(module: torch.nn.Module, args: Any) -> None:
-        if module is model:
+        if id(module) in watched:
             calls[0] += 1
             call(calls[0] == 1)
 
