@@ -33,6 +33,14 @@ What each peer gets from here, and why (everything else is the peer's own code a
   Its text loaders read Hugging Face datasets and need a tokenizer, so `titan_config` plugs in a loader of the
   shared windows and a tokenizer that is never called. The shared weights are copied in right after torchtitan's
   own init (`init_weights`, once the model is sharded), mapped to its names and layouts (`titan_weights`).
+  Under pipeline parallelism (`peers.py --pp`): torchtitan 0.3.0 passes torch's pipeline schedules a step's
+  micro-batches already cut (`step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)`), keywords torch 2.13's `step`
+  lacks (it cuts a whole batch itself, and fails with `Expecting 8 arg_mbs but got 1`), so
+  `_pipeline_step_of_microbatches` gives `step` those keywords, running torch's own `_step_microbatches` on the
+  micro-batches; each stage (model part) is inited apart, so it takes only its own share of the shared weights;
+  `titan_config` cuts the stages as lmforge does (`module_fqns_per_model_part`), and the loader hands out the step's
+  windows one micro-batch at a time, as torchtitan asks for them under PP. gloo's send and receive, which the
+  stages use between ranks, need nothing.
 - litgpt 0.5.13 runs on the CPU as it is; `run_litgpt` calls `litgpt.pretrain.setup` (the function behind
   `litgpt pretrain`) with a `litgpt.Config` of the same Llama, the shared weights as its initial checkpoint
   (`lit_weights`) and a data set of the shared windows, since its pretraining data modules download and tokenize
@@ -263,7 +271,7 @@ def titan_config() -> Any:
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-    from torchtitan.config import TrainingConfig
+    from torchtitan.config import ParallelismConfig, TrainingConfig
     from torchtitan.models import llama3
     from torchtitan.models.common import ComplexRoPE
     from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
@@ -324,7 +332,24 @@ def titan_config() -> Any:
         dataloader=loader.Config(),
         metrics=MetricsProcessor.Config(log_freq=1, disable_color_printing=True),
         activation_checkpoint=None,
+        # Under PP, the stages cut as lmforge's (`peers.Settings.stage_layers`, torchtitan's own default cut):
+        # the command line's `--parallelism.*` flags set the rest.
+        parallelism=ParallelismConfig(module_fqns_per_model_part=_titan_stage_modules(s["pp_layers"])),
     )
+
+
+def _titan_stage_modules(layers: list[int] | None) -> list[list[str]] | None:
+    """torchtitan's module names of each pipeline stage holding `layers[i]` decoder layers (the embedding with the
+    first stage, the final norm and LM head with the last); None without a pipeline."""
+    if not layers:
+        return None
+    stages, first = [], 0
+    for i, count in enumerate(layers):
+        names = [f"layers.{j}" for j in range(first, first + count)]
+        first += count
+        stages.append((["tok_embeddings"] if i == 0 else []) + names + (["norm", "lm_head"] if i == len(layers) - 1
+                                                                        else []))  # fmt: skip
+    return stages
 
 
 def _titan_plugins() -> tuple[type, type]:
@@ -337,7 +362,9 @@ def _titan_plugins() -> tuple[type, type]:
 
     class SharedWindows(BaseDataLoader):
         """This rank's rows of `start_windows`, step after step, each row one document. No `positions`: with them,
-        torchtitan would build a document mask, which its SDPA module cannot take."""
+        torchtitan would build a document mask, which its SDPA module cannot take. Under PP torchtitan asks its
+        loader for one micro-batch at a time (`local_batch_size` is then the micro-batch's rows): the step's rows
+        (`PEER_SPEC`'s `local_batch`) come in consecutive chunks of that size."""
 
         @dataclasses.dataclass(kw_only=True, slots=True)
         class Config(BaseDataLoader.Config):
@@ -345,16 +372,20 @@ def _titan_plugins() -> tuple[type, type]:
 
         def __init__(self, config: Any, *, dp_rank: int, dp_world_size: int, seq_len: int, local_batch_size: int,
                      **_: Any) -> None:  # fmt: skip
-            self.windows, self.rank, self.ranks, self.rows = start_windows(), dp_rank, dp_world_size, local_batch_size
+            self.windows, self.rank, self.ranks = start_windows(), dp_rank, dp_world_size
+            self.rows, self.chunk = int(spec()["local_batch"]), local_batch_size
             if self.windows.shape[1] != seq_len + 1:
                 raise ValueError(f"windows of {self.windows.shape[1]} tokens for seq_len {seq_len}")
+            if self.rows % self.chunk:
+                raise ValueError(f"{self.rows} windows a step do not split into batches of {self.chunk}")
 
         def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
             step = 0
             while True:
-                tokens = window_rows(self.windows, step, self.rank, self.ranks, self.rows)
+                rows = window_rows(self.windows, step, self.rank, self.ranks, self.rows)
                 step += 1
-                yield {"input": tokens[:, :-1]}, tokens[:, 1:]
+                for tokens in rows.split(self.chunk):
+                    yield {"input": tokens[:, :-1]}, tokens[:, 1:]
 
         def state_dict(self) -> dict[str, Any]:
             return {}
@@ -428,9 +459,11 @@ WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."
 """Name parts that wrappers (torch.compile, activation checkpointing, FSDP1) add to a parameter's name."""
 
 
-def copy_weights(model: Any, tensors: dict[str, Any]) -> None:
+def copy_weights(model: Any, tensors: dict[str, Any], stage: bool = False) -> None:
     """Copy `tensors` (full, by parameter name) into every parameter of `model`, plain or DTensor (each rank keeps
-    its own shard of the full tensor, which every rank holds); every parameter must be given, and nothing else."""
+    its own shard of the full tensor, which every rank holds); every parameter must be given, and nothing else but,
+    with `stage` (`model` is one pipeline stage of the model, which keeps its parameters' full names), the other
+    stages' parameters."""
     import torch
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -439,6 +472,8 @@ def copy_weights(model: Any, tensors: dict[str, Any]) -> None:
         for part in WRAPPERS:
             name = name.replace(part, "")
         params[name] = param
+    if stage:
+        tensors = {name: t for name, t in tensors.items() if name in params}
     if params.keys() != tensors.keys():
         missing, extra = sorted(params.keys() - tensors.keys()), sorted(tensors.keys() - params.keys())
         raise KeyError(f"initial weights do not fit the model: missing {missing}, unknown {extra}")
@@ -464,7 +499,9 @@ def _titan_start_weights() -> None:
         own_init(self, **kwargs)
         s = spec()
         fused = any(isinstance(m, FusedQKVLinear) for m in self.modules())
-        copy_weights(self, titan_weights(start_weights(), s["num_heads"], s["num_kv_heads"], fused))
+        # Under PP, torchtitan inits each rank's stages (model parts) apart: each takes its own tensors.
+        copy_weights(self, titan_weights(start_weights(), s["num_heads"], s["num_kv_heads"], fused),
+                     stage=bool(s.get("pp_layers")))  # fmt: skip
 
     BaseModel.init_weights = init_then_load  # type: ignore[method-assign]
 
@@ -491,11 +528,45 @@ def _sum_reduction_on_gloo() -> None:
     fsdp.disable_fsdp_gradient_division = divide_by_one_with_sum
 
 
+def _pipeline_step_of_microbatches() -> None:
+    """torchtitan 0.3.0 hands torch's pipeline schedules a step's micro-batches already cut
+    (`schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)`, torch's newer keyword arguments); torch 2.13's
+    `step` takes the whole batch and cuts it itself, so those keywords reach it as model inputs and its check fails
+    (`ValueError: Expecting 8 arg_mbs but got 1`). Where `step` lacks them, a step given them does what torch's
+    `step` does after cutting: it resets the stages' state for the step and runs `_step_microbatches` (torch 2.13's
+    method for a list of micro-batches) on them."""
+    import inspect
+
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        whole_batch_step = cls.step
+        if "arg_mbs" in inspect.signature(whole_batch_step).parameters:
+            continue
+
+        def step(self: Any, *args: Any, whole_batch_step: Any = whole_batch_step, **kwargs: Any) -> Any:
+            if not {"arg_mbs", "kwarg_mbs", "target_mbs"} & kwargs.keys():
+                return whole_batch_step(self, *args, **kwargs)
+            stages = getattr(self, "_stages", None) or [self._stage]
+            for stage in stages:
+                stage.has_backward = self._has_backward
+                stage.clear_runtime_states()
+            names = ("arg_mbs", "kwarg_mbs", "target_mbs", "losses", "return_outputs", "loss_kwargs")
+            self._step_microbatches(**{name: kwargs[name] for name in names if name in kwargs})
+            if kwargs.get("return_outputs", True):
+                last = [stage for stage in stages if stage.is_last]
+                return self._merge_outputs(last[0].output_chunks) if last else None
+            return None
+
+        cls.step = step  # type: ignore[method-assign]
+
+
 def run_torchtitan(argv: list[str]) -> None:
     """torchtitan's training entry point (`torchtitan.train.main`) with `argv` as its flags, after the CPU shim.
     Without `--module`/`--config`, the run's config is `titan_config` of this file."""
     cpu_shim()
     _sum_reduction_on_gloo()
+    _pipeline_step_of_microbatches()
     _titan_start_weights()
     if "--module" not in argv:
         # torchtitan imports the module by name; the folder of this file is on sys.path when it runs as a script.

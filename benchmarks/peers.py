@@ -40,12 +40,26 @@ processes (the kernel's `ru_maxrss` of the process tree: imports and compilers i
 Threads: `--threads` for one process, split between the ranks for two. A peer that cannot be installed or fails is
 reported as skipped or failed, with the reason, and the table is still printed.
 
-    .venv/bin/python benchmarks/peers.py [--peers torchtitan,litgpt] [--procs 1,2] [--tp N] [--steps N] [--warmup N]
-                                         [--repeats N] [--threads N] [--quiet-wait S] [--work-dir DIR] [--json PATH]
-                                         [--profile DIR]
+    .venv/bin/python benchmarks/peers.py [--peers torchtitan,litgpt] [--procs 1,2] [--tp N] [--pp N]
+                                         [--pp-schedule 1f1b|interleaved_1f1b|interleaved_zb|zbv] [--steps N]
+                                         [--warmup N] [--repeats N] [--threads N] [--quiet-wait S] [--work-dir DIR]
+                                         [--json PATH] [--profile DIR]
 
 `--tp N` makes every multi-process run tensor-parallel over groups of N processes (lmforge's `parallel.tp`,
 torchtitan's `--parallelism.tensor_parallel_degree`); `benchmarks/tensor_parallel.py --peers` runs it at tp 2.
+
+`--pp N` makes every multi-process run pipeline-parallel over N stage groups with the schedule `--pp-schedule`
+(default 1f1b): lmforge's `parallel.pp` and `parallel.pp_schedule`, torchtitan's
+`--parallelism.pipeline_parallel_degree` and `--parallelism.pipeline_parallel_schedule` under its name for the same
+schedule (`TITAN_SCHEDULES`: 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble). The data-parallel degree
+becomes processes / (tp x pp), and the ranks of a pipeline train on the same windows. A step is one micro-batch per
+window on both sides (lmforge's `data.micro_batch_tokens = seq_len`; torchtitan's `local_batch_size` = the rank's
+windows and `--parallelism.pipeline_parallel_microbatch_size 1`): 8 micro-batches at dp 1. Both cut the 6 layers
+alike (`Settings.stage_layers`, torchtitan's default cut, which counts the embedding and the head as one layer each:
+[3, 3] for 1f1b at pp 2, [1, 2, 2, 1] for two stages per rank), set as lmforge's `parallel.pp_layers` and
+torchtitan's `module_fqns_per_model_part`. Under PP only torchtitan's ranks holding the last stage log the loss
+(the others log -1), so its output is read from every rank and the step lines with a loss kept (their tps is the
+last stage's rank's). `benchmarks/pipeline_parallel.py --peers` runs it at pp 2 with 1f1b.
 
 `--merge A.json B.json ...` runs nothing and prints the table over all the runs that earlier invocations wrote with
 `--json` (the same settings), for a median over more runs than one invocation makes.
@@ -160,14 +174,39 @@ class Settings:
     tp: int = 1
     """Tensor-parallel degree of every run on more than one process (lmforge's `parallel.tp`, torchtitan's
     `--parallelism.tensor_parallel_degree`); its ranks train on the same windows."""
+    pp: int = 1
+    """Pipeline-parallel degree of every run on more than one process (lmforge's `parallel.pp`, torchtitan's
+    `--parallelism.pipeline_parallel_degree`); the ranks of a pipeline train on the same windows, one window per
+    micro-batch."""
+    pp_schedule: str = "1f1b"
+    """lmforge's name of the pipeline schedule (`parallel.pp_schedule`; torchtitan's name in `TITAN_SCHEDULES`)."""
 
     def data_ranks(self, procs: int) -> int:
-        """Data-parallel ranks of a run on `procs` processes."""
-        return procs // self.tp if procs > 1 else 1
+        """Data-parallel ranks of a run on `procs` processes: the ranks of a TP group and of a pipeline train on
+        the same windows."""
+        return procs // (self.tp * self.pp) if procs > 1 else 1
 
     def rows(self, procs: int) -> int:
         """Windows per data-parallel rank and step."""
         return self.batch_tokens // self.seq_len // self.data_ranks(procs)
+
+    def pipelined(self, procs: int) -> bool:
+        """Whether a run on `procs` processes is pipeline-parallel."""
+        return procs > 1 and self.pp > 1
+
+    def stage_layers(self) -> list[int]:
+        """Decoder layers per pipeline stage, first stage first: torchtitan's default cut
+        (`_generate_llm_fqn_per_model_part`), which counts the embedding as one more layer of the first stage and
+        the final norm with the LM head as one more of the last, and spreads the total evenly (the first stages
+        take the remainder); both sides get it (lmforge's `parallel.pp_layers`, torchtitan's
+        `module_fqns_per_model_part`). One stage per rank for 1f1b, two for the others."""
+        stages = self.pp * (1 if self.pp_schedule == "1f1b" else 2)
+        total = self.num_layers + 2
+        each, extra = divmod(total, stages)
+        layers = [each + (i < extra) for i in range(stages)]
+        layers[0] -= 1
+        layers[-1] -= 1
+        return layers
 
     def peer_spec(self, procs: int, out_dir: Path, start: Start) -> dict[str, Any]:
         """What `peer_shims.py` reads from `PEER_SPEC`."""
@@ -176,6 +215,7 @@ class Settings:
             **asdict(self),
             "procs": procs,
             "local_batch": self.rows(procs),
+            "pp_layers": self.stage_layers() if self.pipelined(procs) else None,
             "steps": steps,
             "out_dir": str(out_dir),
             "weights": str(start.weights),
@@ -383,10 +423,12 @@ def child_env(
     return env
 
 
-def torchrun(python: str, procs: int) -> list[str]:
-    """The torchrun launcher of an interpreter: a free rendezvous port, rank 0's output only (prefixed)."""
+def torchrun(python: str, procs: int, every_rank: bool = False) -> list[str]:
+    """The torchrun launcher of an interpreter: a free rendezvous port, rank 0's output only (prefixed), or with
+    `every_rank` every rank's."""
+    ranks = ",".join(map(str, range(procs))) if every_rank else "0"
     return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}",
-            "--tee=3", "--local-ranks-filter=0", "--role=rank"]  # fmt: skip
+            "--tee=3", f"--local-ranks-filter={ranks}", "--role=rank"]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- the sides
@@ -423,7 +465,8 @@ def lmforge_config(
                 "type": "fake",
                 "seq_len": s.seq_len,
                 "batch_tokens": s.batch_tokens,
-                "micro_batch_tokens": s.batch_tokens // s.data_ranks(procs),
+                # A pipeline needs micro-batches: one window each.
+                "micro_batch_tokens": s.seq_len if s.pipelined(procs) else s.batch_tokens // s.data_ranks(procs),
                 "vocab_size": s.vocab_size,
                 "pattern": "uniform",
                 "document_masking": masked,
@@ -442,7 +485,8 @@ def lmforge_config(
             "schedule": {"warmup": 0.0, "decay": 0.0},
             "ckpt": {"final": False},
             "log": {"interval": 1},
-            "parallel": {"tp": s.tp if procs > 1 else 1},
+            "parallel": {"tp": s.tp if procs > 1 else 1}
+            | ({"pp": s.pp, "pp_schedule": s.pp_schedule, "pp_layers": s.stage_layers()} if s.pipelined(procs) else {}),
         }
     )
 
@@ -526,6 +570,10 @@ def run_plain(settings: Settings, compiled: bool, start: Start, work: Path, prof
     return measure(side, 1, cmd, child_env(settings, 1, profile=profile), work, settings, parse)
 
 
+TITAN_SCHEDULES = {"1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B", "interleaved_zb": "InterleavedZeroBubble",
+                   "zbv": "ZBVZeroBubble"}  # fmt: skip
+"""torchtitan's names (`--parallelism.pipeline_parallel_schedule`, torch's schedule classes) of lmforge's pipeline
+schedules."""
 TITAN_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?tps:\s*([\d,]+)")
 TITAN_PARAMS = re.compile(r"size: ([\d,]+) total parameters")
 LITGPT_STEP = re.compile(r"iter (\d+) step \d+ \| loss train: ([\d.]+).*?iter time: ([\d.]+) ms")
@@ -544,18 +592,29 @@ def run_torchtitan(
     """torchtitan's trainer under torchrun (it reads its ranks from torchrun's environment even for one); with
     `compiled`, its own `--compile.enable` (each transformer block and the loss under `torch.compile`). The shim
     loads the weights of `start` after torchtitan's own init and feeds the windows of `start`."""
-    cmd = [*torchrun(python, procs), str(SHIMS), "torchtitan"]
+    piped = settings.pipelined(procs)
+    # Under PP only the ranks holding the last stage know the loss (the others log -1), and which rank that is
+    # depends on the schedule (rank 0 for zbv's V): keep every rank's output.
+    cmd = [*torchrun(python, procs, every_rank=piped), str(SHIMS), "torchtitan"]
     # With torch 2.13, torchtitan's default SPMD backend (spmd_types) rejects the FSDP mesh on more than one rank.
     cmd += ["--parallelism.spmd_backend", "full_dtensor"] if procs > 1 else []
     cmd += ["--compile.enable"] if compiled else []
     cmd += ["--parallelism.tensor_parallel_degree", str(settings.tp)] if procs > 1 and settings.tp > 1 else []
+    if piped:
+        # Micro-batches of one window each, `local_batch` (the data-parallel rank's windows of a step) of them;
+        # the cut into stages is `Settings.stage_layers`, which the shim gives torchtitan.
+        cmd += ["--parallelism.pipeline_parallel_degree", str(settings.pp),
+                "--parallelism.pipeline_parallel_schedule", TITAN_SCHEDULES[settings.pp_schedule],
+                "--parallelism.pipeline_parallel_microbatch_size", "1"]  # fmt: skip
     env = child_env(settings, procs, settings.peer_spec(procs, work / "out", start), profile)
 
     def parse(log: str) -> Logged:
-        # `tps` is tokens per second per device (a data-parallel rank's, over its TP degree), over the step since
-        # the previous log line. On more than one rank (`full_dtensor`) the logged loss is the global mean times the
-        # data-parallel ranks: the loss is a DTensor that already holds the global mean on every rank, and the
-        # logging sums its local values over them.
+        # `tps` is tokens per second per device (a data-parallel rank's, over its TP x PP degree), over the step
+        # since the previous log line. On more than one rank (`full_dtensor`) the logged loss is the global mean
+        # times the data-parallel ranks: the loss is a DTensor that already holds the global mean on every rank,
+        # and the logging sums its local values over them. Under PP, the ranks without the last stage log a loss
+        # of -1, which TITAN_STEP does not match: the step's figures come from the last stage's rank (every rank
+        # measures the same step).
         steps = {int(m[1]): (float(m[3].replace(",", "")) * procs, float(m[2])) for m in TITAN_STEP.finditer(log)}
         params = TITAN_PARAMS.search(log)
         return ([steps[i][0] for i in sorted(steps)], int(params[1].replace(",", "")) if params else None,
@@ -690,6 +749,12 @@ def _print_table(summary: dict[str, Any], allocator: str, console: Any) -> None:
         f"({s.num_kv_heads} KV), vocab {s.vocab_size}, seq {s.seq_len}, {s.batch_tokens} tokens/step, fp32, "
         f"{s.steps} timed steps after {s.warmup}; {common.ALLOCATOR_LABELS[allocator]}"
         + (f"; the multi-process runs are tensor-parallel (tp {s.tp})" if s.tp > 1 else "")
+        + (
+            f"; the multi-process runs are pipeline-parallel (pp {s.pp}, {s.pp_schedule}, stages of "
+            f"{s.stage_layers()} layers, micro-batches of one window)"
+            if s.pp > 1
+            else ""
+        )
     )
     columns = ["side", "processes", "tokens/s\n(median)", "range", "peak RSS MiB\n(largest process)",
                "lmforge / side\ntokens/s", "lmforge compiled\n/ side tokens/s", "lmforge / side\npeak memory",
@@ -729,6 +794,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peers", default="torchtitan,litgpt", help="peers to run, comma-separated (default: both)")
     p.add_argument("--procs", default="1,2", help="process counts, comma-separated (default 1,2)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the multi-process runs (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree of the multi-process runs (default 1)")
+    p.add_argument(
+        "--pp-schedule", default="1f1b", choices=list(TITAN_SCHEDULES),
+        help="pipeline schedule with --pp (lmforge's names; torchtitan gets its own name for the same schedule)",
+    )  # fmt: skip
     p.add_argument(
         "--allocators", default=",".join(common.ALLOCATORS),
         help="allocator settings every side runs with in turn: lmforge (its malloc thresholds), default (glibc's)",
@@ -839,7 +909,8 @@ def profile_sides(plan: list[tuple[str, int, Job]], work_root: Path, out: Path, 
 def main(argv: list[str] | None = None) -> int:
     """Install the peers, run every side, print the table; 0 unless lmforge or the plain loop failed."""
     args = parse_args(argv)
-    settings = replace(common.with_flags(SMOKE if args.smoke else Settings(), args), tp=args.tp)
+    settings = replace(common.with_flags(SMOKE if args.smoke else Settings(), args), tp=args.tp, pp=args.pp,
+                       pp_schedule=args.pp_schedule)  # fmt: skip
     if args.merge:
         settings = Settings(**json.loads(args.merge[0].read_text(encoding="utf-8"))["settings"])
         order, merged = merge_runs(args.merge)
@@ -859,8 +930,18 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not procs or min(procs) < 1 or settings.steps < 1 or settings.warmup < 0 or settings.repeats < 1:
         print(f"peers.py: unknown peers {sorted(unknown)} or bad --procs/--steps/--warmup/--repeats", file=sys.stderr)
         return 2
-    if settings.tp < 1 or any(n > 1 and n % settings.tp for n in procs):
-        print(f"peers.py: --tp {settings.tp} must divide every process count above 1 ({procs})", file=sys.stderr)
+    model_ranks = settings.tp * settings.pp
+    if settings.tp < 1 or settings.pp < 1 or any(n > 1 and n % model_ranks for n in procs):
+        print(f"peers.py: --tp {settings.tp} x --pp {settings.pp} must divide every process count above 1 ({procs})",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if settings.pp > 1 and any(n > 1 and settings.rows(n) % settings.pp for n in procs):
+        print(f"peers.py: --pp {settings.pp} needs a multiple of {settings.pp} windows (micro-batches) per "
+              "data-parallel rank and step", file=sys.stderr)  # fmt: skip
+        return 2
+    if settings.pp > 1 and min(settings.stage_layers()) < 1:
+        print(f"peers.py: {settings.num_layers} layers do not cut into the stages of --pp {settings.pp} "
+              f"{settings.pp_schedule}: {settings.stage_layers()}", file=sys.stderr)  # fmt: skip
         return 2
     if any(
         settings.rows(n) < 1 or settings.rows(n) * settings.data_ranks(n) * settings.seq_len != settings.batch_tokens

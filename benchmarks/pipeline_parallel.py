@@ -31,6 +31,12 @@ a core counts as busy): the CPU checks that every schedule runs and trains like 
     .venv/bin/python benchmarks/pipeline_parallel.py [--micro-batches M] [--repeats N] [--warmup N]
                                                      [--device cpu|cuda] [--quiet-wait S] [--json PATH]
     .venv/bin/python benchmarks/pipeline_parallel.py --smoke     # d64 x 4 layers, M = 4, pp in (1, 2) (~1 min)
+    .venv/bin/python benchmarks/pipeline_parallel.py --peers [peers.py flags]
+
+`--peers` instead compares lmforge's PP with torchtitan's on one pipeline of 2 processes with the 1f1b schedule:
+`benchmarks/peers.py --procs 2 --pp 2 --pp-schedule 1f1b --peers torchtitan` (its settings and rules: same model,
+weights, tokens, stage cut, threads and allocator for both, 8 micro-batches of one 512-token window a step, tokens/s
+and peak memory per side); extra arguments after `--peers` go to it (a later `--pp-schedule` wins).
 
 The script exits 0 when every configuration ran (it is a benchmark, not a test).
 """
@@ -56,7 +62,7 @@ from cpu_load import settle
 from lmforge.config import TrainConfig
 from lmforge.config.arch import LlamaArch
 from lmforge.config.checks import ZERO_BUBBLE, pipeline_problems
-from lmforge.parallel.stages import stages_per_rank
+from lmforge.parallel.stages import schedule_bubble, stages_per_rank
 
 COLLECTIVE_TIMEOUT_S = 300.0
 """Seconds a rank waits in a collective for the others."""
@@ -177,7 +183,7 @@ def run_rank(rank: int, pp: int, port: int, s: Settings, schedule: str, device: 
 def theoretical_bubble(pp: int, schedule: str, m: int) -> float:
     """The schedule's bubble fraction with m micro-batches per rank: (p - 1) / (v m + p - 1), v stages per rank
     (the interleaved 1F1B figure for the zero-bubble schedules, an upper bound there)."""
-    return (pp - 1) / (stages_per_rank(schedule, None) * m + pp - 1)
+    return schedule_bubble(pp, stages_per_rank(schedule, None), m)
 
 
 def _idle(busy: Sequence[float], total: Sequence[float]) -> float:
@@ -244,7 +250,14 @@ def print_report(rows: list[dict[str, Any]], s: Settings, device: str, console: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run every configuration, print the table and the loss check, optionally write the JSON; 0 when all ran."""
+    """Run every configuration (or, with `--peers`, the comparison with torchtitan), print the table and the loss
+    check, optionally write the JSON; 0 when all ran."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--peers" in argv:
+        import peers
+
+        rest = [a for a in argv if a != "--peers"]
+        return peers.main(["--procs", "2", "--pp", "2", "--pp-schedule", "1f1b", "--peers", "torchtitan", *rest])
     presets = {"default": Settings(), "smoke": SMOKE}
     texts = {"repeats": "timed steps per configuration (the median is reported)"}
     parser = common.benchmark_parser(__doc__, presets, "d64 x 4 layers, 4 micro-batches, pp in (1, 2)",
@@ -252,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batches", type=int, default=None, help="micro-batches a step (default 8; smoke 4)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cpu (gloo) or cuda (NCCL, one GPU per rank)")  # fmt: skip
+    parser.add_argument("--peers", action="store_true", help="compare with torchtitan's PP instead (peers.py)")
     args = parser.parse_args(argv)
     s = common.with_flags(SMOKE if args.smoke else Settings(), args)
     if args.micro_batches is not None:
