@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -142,10 +144,14 @@ def test_pipeline_config_errors_name_the_field(tmp_path: Path, flags: list[str],
         load_train_config(["@", str(cfg), *flags], 4)
 
 
+@pytest.mark.slow  # each pipeline rank's plan runs in a process of its own
 def test_plan_traces_every_pipeline_rank_and_refuses_the_schedules_it_cannot_trace(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from lmforge.commands.plan import main
+    from lmforge.plan.gpus import gpu_spec
+    from lmforge.plan.ranks import plan_run
+    from lmforge.plan.step import plan_step
 
     cfg = write_config(tmp_path, "run", arch=tiny_llama(num_hidden_layers=4, max_position_embeddings=256))
     flat, piped = tmp_path / "flat.json", tmp_path / "piped.json"
@@ -164,6 +170,16 @@ def test_plan_traces_every_pipeline_rank_and_refuses_the_schedules_it_cannot_tra
     assert two["tokens_per_step"] == one["tokens_per_step"]
     assert two["flops_6nd_per_step"] == pytest.approx(one["flops_6nd_per_step"])
     assert "pipeline" in two["choices"] and "pp 2 x dp 2" in two["choices"]["layout"]
+    # 16 micro-batches per rank: traced at 4 and 8, extended to 16, the figures of the whole step's trace
+    config, _ = load_train_config(["@", str(cfg), "--parallel.pp", "2", "--data.batch_tokens", "4096"], 4)
+    extended = plan_run(config, 4, gpu_spec("h100"), 8, vocab_size=200)
+    assert extended.micro_batches == 16 and any("extended every figure" in n for n in extended.notes)
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=spawn, max_tasks_per_child=1) as pool:
+        whole = [pool.submit(plan_step, config, 4, gpu_spec("h100"), 8, None, 200, rank=r).result() for r in (0, 2)]
+    for got, want in zip(extended.pipeline_ranks, whole, strict=True):
+        assert got["peak_bytes"] == pytest.approx(want.peak_bytes, rel=1e-4)
+        assert got["busy_seconds"] == pytest.approx(want.busy_seconds, rel=1e-4)
     capsys.readouterr()
     assert main(["@", str(cfg), "--gpus", "2", "--parallel.pp", "2", "--parallel.pp_schedule", "zbv"]) == 2
     assert "parallel.pp_schedule = 'zbv': the plan traces 1f1b only" in capsys.readouterr().err
