@@ -1,10 +1,10 @@
 """Pipeline parallelism (`parallel.pp`) trains like one process: per-step losses, gradient norms (whole and per
 optimizer group) and loss-token counts of a 4-layer Llama cut into stages match one process within 1e-5 with every
 schedule, alone (2 processes) and with FSDP, HSDP, context or tensor parallelism inside the stages (4 processes), and
-so do an MoE's losses and routing biases, also with expert parallelism inside a stage; checkpoints resume across
-pipeline layouts (pp 2 -> one process -> pp 2 in a V), the run's export holds one process's weights, and
-validation (token sets and every set-file convention) and `lmforge eval` of its snapshots give one process's
-numbers."""
+so do an MoE's losses and routing biases, also with expert parallelism inside a stage, and hyper-connections' widened
+stream; checkpoints resume across pipeline layouts (pp 2 -> pp 4 -> pp 2 in a V, and pp 2 -> one process), the
+run's export holds one process's weights, and validation (token sets and every set-file convention) and `lmforge
+eval` of its snapshots give one process's numbers."""
 
 from __future__ import annotations
 
@@ -47,23 +47,39 @@ def test_every_schedule_trains_like_one_process(tmp_path: Path) -> None:
     assert record["perf/peak_memory/pp0"] > 0 and record["perf/peak_memory/pp1"] > 0
 
 
+def test_hyper_connections_widened_stream_crosses_stages_like_one_process(tmp_path: Path) -> None:
+    # the stream [n, T, hidden] is sent between stages, expanded on the first and summed on the last; the
+    # interleaved zero-bubble schedule runs each stage's backward in two passes. Long mode adds TP inside the
+    # stages, where each rank sends its tokens of every copy.
+    cfg = tmp_path / "moe.toml"  # hyper-connections are a GLM option
+    cfg.write_text(RUN.format(out=tmp_path / "unused").replace("max_steps = 8", "max_steps = 3"))
+    hc = ("--model.arch.hyper_connections", "2", "--model.arch.num_hidden_layers", "4")
+    one = train_run(cfg, tmp_path / "one", *hc)
+    runs = {"pp2": train_run(cfg, tmp_path / "pp2", *hc, *pp("interleaved_zb"), nproc=2)}
+    if LONG:
+        runs["pp2_tp2"] = train_run(cfg, tmp_path / "pp2_tp2", *hc, *pp("1f1b", "--parallel.tp", "2"), nproc=4)
+    same_curves(one, runs, KEYS, 3)
+
+
 def test_pipeline_with_fsdp_hsdp_and_cp_inside_stages_and_resume_across_layouts(tmp_path: Path) -> None:
     cfg = write_config(tmp_path, "base", max_steps=4, arch=ARCH)
     one = train_run(cfg, tmp_path / "one")
     runs = {
         # 2 stage groups of 2 ranks, FSDP sharding each stage over its group's 2 ranks
         "pp2_dp2": train_run(cfg, tmp_path / "pp2_dp2", *pp("interleaved_1f1b"), nproc=4),
-        # ... or 2 replicas of one rank each (HSDP)
-        "pp2_hsdp": train_run(cfg, tmp_path / "pp2_hsdp", *pp("1f1b", "--parallel.dp_replicate", "2"), nproc=4),
         # ... or one context-parallel pair splitting every row (each stage sends its half of the row's states)
         "pp2_cp2": train_run(cfg, tmp_path / "pp2_cp2", *pp("interleaved_zb", "--parallel.cp", "2"), nproc=4),
     }
+    if LONG:  # ... or 2 replicas of one rank each (HSDP: the same stage groups, another gradient reduction)
+        runs["pp2_hsdp"] = train_run(cfg, tmp_path / "pp2_hsdp", *pp("1f1b", "--parallel.dp_replicate", "2"), nproc=4)
     same_curves(one, runs, KEYS, 4)
 
-    # pp 2 for steps 1-2, one process for step 3, pp 2 in a V (zbv) for step 4, each resuming the previous layout
+    # pp 2 for steps 1-2, pp 4 (one layer per stage) for step 3, pp 2 in a V (zbv) for step 4, each resuming the
+    # previous layout; resuming on one process is in the tensor-parallel case below
     keep = ("--ckpt.interval", "1", "--ckpt.keep-last", "4")
     train_run(cfg, tmp_path / "a", *keep, *pp("1f1b"), nproc=2)
-    train_run(cfg, tmp_path / "b", *keep, "--resume.step", "2", "--resume.path", str(tmp_path / "a"))
+    pp4 = ("--parallel.pp", "4", "--resume.step", "2", "--resume.path", str(tmp_path / "a"))
+    train_run(cfg, tmp_path / "b", *keep, *pp4, nproc=4)  # steps 3-4: max_steps shapes the schedule
     train_run(cfg, tmp_path / "c", *pp("zbv"), "--resume.step", "3", "--resume.path", str(tmp_path / "b"), nproc=2)
     chained = [*curve(tmp_path / "a", "loss/mean")[:2], curve(tmp_path / "b", "loss/mean")[0],
                *curve(tmp_path / "c", "loss/mean")]  # fmt: skip

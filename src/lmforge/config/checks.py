@@ -208,8 +208,6 @@ def pipeline_problems(config: TrainConfig, world_size: int) -> list[tuple[str, s
     refused = [
         (arch.tie_word_embeddings, "model.arch.tie_word_embeddings", "true: the embedding and the LM head sit in "
          "different stages; untie them"),
-        (bool(getattr(arch, "hyper_connections", 0)), "model.arch.hyper_connections", "set: the widened residual "
-         "stream does not cross stages yet"),
         (bool(getattr(arch, "num_nextn_predict_layers", 0)), "model.arch.num_nextn_predict_layers", "set: multi-token "
          "prediction does not run under parallel.pp yet"),
     ]  # fmt: skip

@@ -258,11 +258,13 @@ class DecoderModel(nn.Module):
         return sharded_embedding(ids, table) if isinstance(table, DTensor) else self.embed_tokens(ids)
 
     def row_context(self, x: Tensor, position_ids: Tensor, doc_lens: Tensor) -> tuple[Tensor, Tensor, DocumentMask]:
-        """The rotary tables (in x's dtype) and the document mask of the row whose hidden states x [T, hidden] a
-        block is about to read; a pipeline stage without the embedding builds them from its input this way."""
+        """The rotary tables (in x's dtype) and the document mask of the row whose hidden states x [T, hidden] (or
+        widened stream [n, T, hidden]) a block is about to read; a pipeline stage without the embedding builds them
+        from its input this way."""
         mask = DocumentMask.from_doc_lens(doc_lens, x.device)
-        if mask.total != x.shape[0] * self.row_split:
-            raise ValueError(f"doc_lens add up to {mask.total}, which is not the {x.shape[0]} tokens of this row"
+        tokens = x.shape[-2]
+        if mask.total != tokens * self.row_split:
+            raise ValueError(f"doc_lens add up to {mask.total}, which is not the {tokens} tokens of this row"
                              + ("" if self.row_split == 1 else f" x cp {self.row_split}"))  # fmt: skip
         cos, sin = rotary_cos_sin(position_ids, self.arch, x.dtype)
         windows = {layer.self_attn.window for layer in [*self.layers, *self.mtp_layers] if is_present(layer)}

@@ -93,8 +93,8 @@ def build_pipelined_model(
     rows = data.batch_tokens // (data.micro_batch_tokens * ctx.dp_size)
     dtype = resolve_param_dtype(config.model.param_dtype, target)
     # Under context parallelism a stage holds its rank's 1 / cp of each row.
-    pipeline = build_pipeline(modules, ctx.pp, config.parallel, rows, data.micro_batch_tokens // ctx.cp.size,
-                              arch.hidden_size, dtype, ctx.device, ctx.tp)  # fmt: skip
+    pipeline = build_pipeline(modules, ctx.pp, config.parallel, rows, data.micro_batch_tokens // ctx.cp.size, dtype,
+                              ctx.device, ctx.tp)  # fmt: skip
     return model, pipeline
 
 

@@ -31,10 +31,12 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
+from lmforge.config.arch import AnyArch
 from lmforge.config.parallel import ParallelConfig
 from lmforge.data.batch import MicroBatch
+from lmforge.model.hyper_connections import collapse_stream, expand_stream, stream_rate
 from lmforge.model.llama import AbsentLayer, CausalLM, head_loss, head_position_losses
 from lmforge.model.loss import IGNORE_INDEX
 from lmforge.model.params import count_params
@@ -72,19 +74,26 @@ class StageModule(nn.Module):
         """The last stage's loss sums of the step, one per micro-batch in order."""
         self.stream_mesh: DeviceMesh | None = None
         """Under tensor parallelism, the TP mesh whose sequence-parallel stream this stage's input is this rank's
-        share of (`TOKENS`): hidden states cross stages as each rank's local tokens."""
+        share of (its tokens): hidden states cross stages as each rank's local tokens."""
 
     def forward(self, x: Tensor, per_token: bool = False) -> Tensor:
-        """input_ids [1, T] (first stage) or the previous stage's hidden states [T, hidden] -> this stage's hidden
-        states [T, hidden], or on the last stage the fp32 sum of the row's token cross-entropies (with `per_token`,
-        for scoring without gradients, each position's [T])."""
+        """input_ids [1, T] (first stage) or the previous stage's hidden states [T, hidden] (with hyper-connections
+        the widened stream [n, T, hidden]) -> this stage's hidden states, or on the last stage the fp32 sum of the
+        row's token cross-entropies (with `per_token`, for scoring without gradients, each position's [T])."""
         mb = self.rows[self.current]
         model = self._model[0]
-        if self.embed_tokens is not None:
+        rate = stream_rate(model.arch)
+        first = self.embed_tokens is not None
+        if first:
             x = model.model.embed(x[0])
-        elif self.stream_mesh is not None:
-            x = DTensor.from_local(x, self.stream_mesh, [TOKENS])
+        else:
+            x = _ContiguousGrad.apply(x)
+            if self.stream_mesh is not None:
+                # the tokens are dim 0 of [T, hidden] and dim 1 of the widened stream [n, T, hidden]
+                x = DTensor.from_local(x, self.stream_mesh, [Shard(1) if rate else TOKENS])
         cos, sin, mask = model.model.row_context(x, mb.position_ids, mb.doc_lens)
+        if rate and first:
+            x = expand_stream(x, rate)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
         if self.lm_head is None:
@@ -92,6 +101,8 @@ class StageModule(nn.Module):
             # a tensor of its own: the zero-bubble schedules detach stage outputs in place, which a view refuses.
             return x.to_local().clone() if isinstance(x, DTensor) else x
         assert self.norm is not None
+        if rate:
+            x = collapse_stream(x)
         targets = mb.target_ids[0].masked_fill(~mb.loss_mask[0], IGNORE_INDEX)
         hidden, chunk = self.norm(x), model.loss_chunk_tokens
         if per_token:
@@ -99,6 +110,21 @@ class StageModule(nn.Module):
         loss = head_loss(hidden, self.lm_head.weight, targets, chunk)
         self.loss_sums.append(loss.detach())
         return loss
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous: a stage's input gradient is sent back to the
+    previous stage, and a send refuses a strided tensor (the hyper-connections' einsum leaves one)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        """x, as a view."""
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        """The gradient, contiguous."""
+        return grad.contiguous()
 
 
 class RowStage(PipelineStage):
@@ -212,8 +238,8 @@ class Pipeline:
         out = torch.zeros(tokens if per_token else (), device=mb.input_ids.device)
         for stage, module in mine.items():
             if stage > 0 and self.owners[stage - 1] != self.pp.rank:
-                x = torch.empty(tokens // self.stream_split, self.hidden_size, dtype=self.dtype,
-                                device=mb.input_ids.device)  # fmt: skip
+                shape = stream_shape(self.modules[0]._model[0].arch, tokens // self.stream_split)
+                x = torch.empty(shape, dtype=self.dtype, device=mb.input_ids.device)
                 dist.recv(x, group=self.pp.group, group_src=self.owners[stage - 1])
             module.rows, module.current = (mb,), 0
             x = module(x, per_token=per_token)
@@ -230,10 +256,12 @@ class Pipeline:
         mesh = self.modules[0].stream_mesh
         return 1 if mesh is None else mesh.size()
 
-    @property
-    def hidden_size(self) -> int:
-        """The width of the hidden states between stages."""
-        return self.modules[0]._model[0].arch.hidden_size
+
+def stream_shape(arch: AnyArch, tokens: int) -> tuple[int, ...]:
+    """The shape of `tokens` tokens of a row's hidden states as they cross stages: [T, hidden], or with
+    hyper-connections the widened residual stream [n, T, hidden] (its copies are summed on the last stage)."""
+    rate = stream_rate(arch)
+    return (rate, tokens, arch.hidden_size) if rate else (tokens, arch.hidden_size)
 
 
 def build_pipeline(
@@ -242,7 +270,6 @@ def build_pipeline(
     parallel: ParallelConfig,
     micro_batches: int,
     row_tokens: int,
-    hidden_size: int,
     dtype: torch.dtype,
     device: torch.device,
     tp: TensorShard = NO_TENSOR_PARALLEL,
@@ -253,7 +280,8 @@ def build_pipeline(
     owners, mine = stage_owners(parallel, pp)
     stages = []
     # Hidden states cross stages with their gradient coming back.
-    hidden = torch.empty(row_tokens // tp.size, hidden_size, dtype=dtype, device="meta", requires_grad=True)
+    arch = modules[0]._model[0].arch
+    hidden = torch.empty(stream_shape(arch, row_tokens // tp.size), dtype=dtype, device="meta", requires_grad=True)
     for index, module in zip(mine, modules, strict=True):
         module.stream_mesh = tp.mesh
         first, last = index == 0, index == len(owners) - 1
