@@ -5,8 +5,9 @@
 FAULT is `sigterm` (the process sends itself SIGTERM while it runs step STEP), `sigterm-twice` (the same, then a
 second SIGTERM as the checkpoint that the first one asked for starts), `hang-in-commit` (the checkpoint of step
 STEP is fully written but the process stops before committing it, prints HANG and waits to be killed),
-`record-full` (from step STEP on, writing metrics.jsonl fails as on a full disk) or `log-full` (from step STEP on,
-writing the rank's log file fails so). `FAULT_RANK` limits the fault to one rank.
+`record-full` (from step STEP on, writing metrics.jsonl fails as on a full disk), `log-full` (from step STEP on,
+writing the rank's log file fails so) or `raise` (step STEP raises an error, as a bug would). `FAULT_RANK` limits
+the fault to one rank.
 """
 
 from __future__ import annotations
@@ -81,6 +82,13 @@ def inject(fault: str, step: int) -> None:
                 handler.stream = FullFile(handler.stream)
         return train_step(self, *args, **kwargs)
 
+    def raising_step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self.step + 1 == step and _mine():
+            raise RuntimeError(f"injected fault at step {step}")
+        return train_step(self, *args, **kwargs)
+
+    if fault == "raise":
+        trainer.Trainer.train_step = raising_step  # type: ignore[method-assign]
     if fault == "record-full":
         JsonlMonitor.log = full_metrics  # type: ignore[method-assign]
     if fault == "log-full":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 from lmforge.commands.errors import fail
 
@@ -91,9 +92,16 @@ def main(argv: list[str]) -> int:
         except (CheckpointError, RecordError) as e:  # a failed save or record (a full disk): one line, exit 2
             return fail("train", str(e))
         except Exception as e:
-            silent = heartbeat.silent_ranks() if heartbeat is not None else []
-            if silent == []:  # every rank still beats: not a lost rank
+            if heartbeat is None:
                 raise
+            silent = heartbeat.silent_ranks()
+            if silent == []:  # every rank still beats: this rank failed itself
+                # Leave at once, without the barrier of an orderly exit: peers waiting on this rank in a collective
+                # or a pipeline receive then see it gone and stop, instead of waiting out the process-group timeout.
+                traceback.print_exc()
+                sys.stderr.flush()
+                heartbeat.stop()
+                os._exit(1)
             # Every surviving rank says it (the first rank may be the lost one). The process group cannot be left
             # cleanly with a rank missing (its barrier would wait out the timeout again), so the process ends here.
             print(f"lmforge train: error: {describe_lost(ctx.rank, silent, e)}", file=sys.stderr, flush=True)
