@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from lmforge.config.parallel import ParallelConfig
 from lmforge.parallel.pipeline import Pipeline
+from lmforge.parallel.stages import schedule_bubble, stages_per_rank
 
 PLANNED_SCHEDULES = frozenset({"1f1b"})
 """Schedules the plan traces. torch's memory tracker follows one forward and backward per module at a time: a rank
@@ -27,3 +29,24 @@ def static_shapes(pipeline: Pipeline) -> None:
             stage._inference_mode = InferenceMode.STATIC
 
     pipeline.schedule._warmup_p2p = settled
+
+
+def held_layers(pipeline: Pipeline) -> str:
+    """The decoder layers of this rank's stages, e.g. `layers 0-3, layers 8-11`."""
+    return ", ".join(f"layers {m.layer_indices.start}-{m.layer_indices.stop - 1}" for m in pipeline.modules)
+
+
+def pipeline_bubble(parallel: ParallelConfig, micro_batches: int) -> float:
+    """The run's schedule's idle share of a step of `micro_batches` per rank, in theory (`schedule_bubble`)."""
+    per_rank = stages_per_rank(parallel.pp_schedule, parallel.pp_stages_per_rank)
+    return schedule_bubble(parallel.pp, per_rank, micro_batches)
+
+
+def pipeline_choice(parallel: ParallelConfig, rank: int, held: str, bubble: float) -> str:
+    """The plan's `pipeline` line: the rank, the schedule, the rank's layers and the idle share in theory."""
+    return f"rank {rank} of {parallel.pp} ({parallel.pp_schedule}): {held}; {bubble:.1%} of the step idle in theory"
+
+
+PIPELINE_NOTE = ("pipeline: the stages' point-to-point sends are not in the collective time (one hidden state per "
+                 "micro-batch and boundary)")  # fmt: skip
+"""What a pipeline plan's collective time leaves out."""

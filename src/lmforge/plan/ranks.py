@@ -17,10 +17,10 @@ from concurrent.futures import ProcessPoolExecutor
 
 from lmforge.config.parallel import ParallelConfig
 from lmforge.config.train import TrainConfig
-from lmforge.parallel.stages import schedule_bubble, stages_per_rank
+from lmforge.parallel.stages import stages_per_rank
 from lmforge.plan.collectives import Traffic
 from lmforge.plan.gpus import GpuSpec
-from lmforge.plan.pipeline import PLANNED_SCHEDULES
+from lmforge.plan.pipeline import PLANNED_SCHEDULES, pipeline_bubble, pipeline_choice
 from lmforge.plan.step import StepPlan, plan_step
 
 
@@ -60,7 +60,7 @@ def plan_run(
             traced = [pool.submit(plan_step, _with_micro_batches(config, n, dp), world_size, gpu, gpus_per_node,
                                   doc_len, vocab_size, rank=r * (world_size // pp)) for n in counts]  # fmt: skip
             done = [t.result() for t in traced]
-            plans.append(done[0] if len(done) == 1 else _extended(done[0], done[1], rows, pp, parallel))
+            plans.append(done[0] if len(done) == 1 else _extended(done[0], done[1], rows, r, parallel))
     ranks = [{"pipeline_rank": r, "layers": p.held_layers, "peak_bytes": p.peak_bytes,
               "busy_seconds": p.busy_seconds, "step_seconds": p.step_seconds} for r, p in enumerate(plans)]  # fmt: skip
     worst = max(plans, key=lambda p: p.peak_bytes)
@@ -74,8 +74,9 @@ def _with_micro_batches(config: TrainConfig, n: int, dp: int) -> TrainConfig:
     return config.model_copy(update={"data": data})
 
 
-def _extended(short: StepPlan, long: StepPlan, rows: int, pp: int, parallel: ParallelConfig) -> StepPlan:
-    """The plan of a step of `rows` micro-batches per rank along the line through the plans of two shorter ones."""
+def _extended(short: StepPlan, long: StepPlan, rows: int, rank: int, parallel: ParallelConfig) -> StepPlan:
+    """The plan of pipeline rank `rank`'s step of `rows` micro-batches per rank along the line through the plans of
+    two shorter ones."""
     n1, n2 = short.micro_batches, long.micro_batches
     k = (rows - n1) / (n2 - n1)
 
@@ -86,10 +87,8 @@ def _extended(short: StepPlan, long: StepPlan, rows: int, pp: int, parallel: Par
         return Traffic(round(line(a.calls, b.calls)), line(a.buffer_bytes, b.buffer_bytes),
                        line(a.sent_bytes, b.sent_bytes), line(a.seconds, b.seconds))  # fmt: skip
 
-    per_rank = stages_per_rank(parallel.pp_schedule, parallel.pp_stages_per_rank)
-    bubble = schedule_bubble(pp, per_rank, rows)
-    choices = dict(long.choices)
-    choices["pipeline"] = choices["pipeline"].rsplit(";", 1)[0] + f"; {bubble:.1%} of the step idle in theory"
+    bubble = pipeline_bubble(parallel, rows)
+    choices = {**long.choices, "pipeline": pipeline_choice(parallel, rank, long.held_layers, bubble)}
     memory = {name: line(short.memory.get(name, 0.0), size) for name, size in long.memory.items()}
     kinds = short.comms.keys() | long.comms.keys()
     return dataclasses.replace(

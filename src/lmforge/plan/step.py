@@ -36,14 +36,13 @@ from lmforge.parallel.fsdp import fsdp_wraps, resolve_param_dtype
 from lmforge.parallel.model_setup import build_pipelined_model, build_run_model
 from lmforge.parallel.pipeline import Pipeline
 from lmforge.parallel.process_group import DistContext, init_distributed, mesh_degrees
-from lmforge.parallel.stages import schedule_bubble, stages_per_rank
 from lmforge.plan.attention import stand_in_for_flex
 from lmforge.plan.batches import plan_batches
 from lmforge.plan.collectives import IN_LINE, Collectives, Traffic
 from lmforge.plan.experts import balance_dispatches
 from lmforge.plan.gpus import GpuSpec
 from lmforge.plan.muon import host_row_tables
-from lmforge.plan.pipeline import static_shapes
+from lmforge.plan.pipeline import PIPELINE_NOTE, held_layers, pipeline_bubble, pipeline_choice, static_shapes
 from lmforge.plan.roofline import ATTENTION_OPS, Roofline
 from lmforge.train.flops import FlopCounter
 from lmforge.train.micro_batches import run_micro_batches, run_pipelined
@@ -390,14 +389,9 @@ def plan_step(
         }
         bubble, held = 0.0, ""
         if pipeline is not None:
-            parallel = config.parallel
-            per_rank = stages_per_rank(parallel.pp_schedule, parallel.pp_stages_per_rank)
-            bubble = schedule_bubble(ctx.pp.size, per_rank, len(rows))
-            held = ", ".join(f"layers {m.layer_indices.start}-{m.layer_indices.stop - 1}" for m in pipeline.modules)
-            choices["pipeline"] = (f"rank {ctx.pp.rank} of {ctx.pp.size} ({parallel.pp_schedule}): {held}; "
-                                   f"{bubble:.1%} of the step idle in theory")  # fmt: skip
-            notes.append("pipeline: the stages' point-to-point sends are not in the collective time (one hidden "
-                         "state per micro-batch and boundary)")  # fmt: skip
+            bubble, held = pipeline_bubble(config.parallel, len(rows)), held_layers(pipeline)
+            choices["pipeline"] = pipeline_choice(config.parallel, ctx.pp.rank, held, bubble)
+            notes.append(PIPELINE_NOTE)
         return StepPlan(
             memory=memory, peak_bytes=sum(memory.values()), tokens=tokens, flops=flops, dense_flops=dense,
             traced_flops=step.flops - update.flops, optimizer_flops=update.flops, compute_seconds=compute,
