@@ -320,7 +320,8 @@ Check = Callable[[Any, Result, Path], None]
 # One row per script: its name under benchmarks/, the arguments after `--smoke` (`{tmp}` stands for the test's
 # tmp_path; run_benchmark appends `--json`), the timeout in seconds, and the check of what it wrote and printed.
 # An id is also a keyword, and tests/conftest.py skips items with the keyword `gpu` without CUDA: not `id="gpu"`.
-# The four heaviest smokes (1-3.5 minutes each on two cores) are `long`: CI runs the others, LMFORGE_LONG=1 all.
+# The six heaviest smokes (45 s to 3.5 minutes each on two cores) are `long`: CI runs the others, LMFORGE_LONG=1
+# all.
 BENCHMARKS = [
     pytest.param("overhead.py", ["--no-live-memory"], 240, check_overhead, id="overhead", marks=pytest.mark.long),
     pytest.param("peers.py", ["--profile", "{tmp}/profiles", "--quiet-wait", "0"], 240, check_peers, id="peers",
@@ -336,7 +337,7 @@ BENCHMARKS = [
     pytest.param("moe.py", [], 180, check_moe, id="moe"),
     pytest.param("mix.py", [], 120, check_mix, id="mix"),
     pytest.param("context_parallel.py", [], 180, check_context_parallel, id="context_parallel"),
-    pytest.param("expert_parallel.py", [], 300, check_expert_parallel, id="expert_parallel"),
+    pytest.param("expert_parallel.py", [], 300, check_expert_parallel, id="expert_parallel", marks=pytest.mark.long),
     pytest.param("tensor_parallel.py", [], 180, check_tensor_parallel, id="tensor_parallel"),
     pytest.param("pipeline_parallel.py", [], 240, check_pipeline_parallel, id="pipeline_parallel",
                  marks=pytest.mark.long),
