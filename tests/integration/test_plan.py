@@ -74,8 +74,10 @@ def test_8b_at_one_gpu_does_not_fit(tmp_path: Path) -> None:
 
 @pytest.mark.slow  # tens of seconds: the quick tier keeps the small plans
 def test_suggests_a_micro_batch_that_fits(tmp_path: Path) -> None:
-    # a budget between the plans of 16,384 and 8,192 tokens a micro-batch
-    args = ["@", "examples/pretrain/llama-150m.toml", "--gpus", "8", "--vocab-size", "32000"]
+    # a budget between the plans of 16,384 and 8,192 tokens a micro-batch (2 of the model's 12 layers: the search
+    # plans up to 4 configs, and a plan's time grows with the layers)
+    args = ["@", "examples/pretrain/llama-150m.toml", "--gpus", "8", "--vocab-size", "32000",
+            "--model.arch.num_hidden_layers", "2"]  # fmt: skip
     _, full = _plan(tmp_path, *args)
     _, half = _plan(tmp_path, *args, "--data.micro_batch_tokens", "8192")
     budget = (full["peak_bytes"] + half["peak_bytes"]) / 2
