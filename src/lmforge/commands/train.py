@@ -99,6 +99,7 @@ def main(argv: list[str]) -> int:
                 # Leave at once, without the barrier of an orderly exit: peers waiting on this rank in a collective
                 # or a pipeline receive then see it gone and stop, instead of waiting out the process-group timeout.
                 traceback.print_exc()
+                sys.stdout.flush()
                 sys.stderr.flush()
                 heartbeat.stop()
                 os._exit(1)
