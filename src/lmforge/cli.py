@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sample": ("sample", "generate text from a model folder, run directory or checkpoint"),
     "plot": ("plot", "overlay metric curves of runs in an image (lmforge plot RUN_DIR ... -o curves.png)"),
     "report": ("report", "write a self-contained HTML report of a run"),
+    "replay": ("replay", "list the documents a step trained on, or check its logged batch hash (lmforge replay -h)"),
     "demo": ("demo", "pretrain a small Llama on Shakespeare, prepared locally"),
     "chat-set": ("chat_set", "write a small chat SFT set (train/val JSONL) made from Shakespeare's plays"),
     "eval": ("eval", "score a run's snapshots on its [val] sets beside the training (lmforge eval RUN_DIR)"),

@@ -64,11 +64,13 @@ def cli_command(args: list[str], nproc: int = 1, script: Path | None = None) -> 
 
 
 def run_cli(
-    args: list[str], nproc: int = 1, timeout: float = 240, script: Path | None = None
+    args: list[str], nproc: int = 1, timeout: float = 240, script: Path | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """`lmforge <args>` as a plain process, or under torchrun with `nproc` processes; killed after `timeout`."""
+    """`lmforge <args>` as a plain process, or under torchrun with `nproc` processes; killed after `timeout`. `env`
+    replaces the default environment (`env_one_thread()`)."""
     cmd = cli_command(args, nproc, script)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_one_thread(), check=False)
+    env = env_one_thread() if env is None else env
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
 
 
 def train_run(cfg: Path, out: Path, *flags: str, nproc: int = 1, timeout: float = 300) -> Path:

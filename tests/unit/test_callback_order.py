@@ -15,6 +15,7 @@ from lmforge.monitor import read_metrics
 from lmforge.parallel.process_group import DistContext, init_distributed
 from lmforge.train.callbacks.balancing import MoEBalancer
 from lmforge.train.callbacks.base import Callback
+from lmforge.train.callbacks.batch_hashes import BatchHashes
 from lmforge.train.callbacks.checkpointing import Checkpointing
 from lmforge.train.callbacks.eval_snapshots import EvalSnapshots
 from lmforge.train.callbacks.mtp import MtpLoss
@@ -34,8 +35,8 @@ class Extra(Callback):
 
 def test_the_order_names_every_built_in_kind_once() -> None:
     kinds = [k for k in ORDER if isinstance(k, type)]
-    assert kinds == [MoEBalancer, MtpLoss, SpikeFlags, Checkpointing, EvalSnapshots, SourceShares, Validation,
-                     Reporting]  # fmt: skip
+    assert kinds == [MoEBalancer, MtpLoss, SpikeFlags, Checkpointing, EvalSnapshots, SourceShares, BatchHashes,
+                     Validation, Reporting]  # fmt: skip
     assert ORDER.count(EXTRA) == 1 and ORDER[-1] is Reporting  # reporting sees every metric the others add
 
 

@@ -120,3 +120,15 @@ def retained(steps: Iterable[int], keep_last: int, keep_interval: int | None) ->
 def read_trainer_state(path: Path) -> dict[str, Any]:
     """The trainer state (`trainer.json`) of a checkpoint."""
     return json.loads((path / TRAINER_STATE).read_text())
+
+
+def data_position_before(run_dir: Path, step: int) -> tuple[int, dict[str, Any] | None]:
+    """Where a run's data stream stood before `step`: the step of its newest complete checkpoint before `step` and
+    that checkpoint's saved data position, or (0, None), the start of the run, when it has none."""
+    earlier = [s for s in list_checkpoints(run_dir / CHECKPOINTS) if s < step]
+    for k in reversed(earlier):
+        state = read_trainer_state(run_dir / CHECKPOINTS / step_name(k))
+        if "data" in state:
+            return k, state["data"]
+    return 0, None
+

@@ -32,6 +32,10 @@ class LogConfig(Section):
     grad_spike_factor: float = Field(default=3.0, gt=1)
     """`optim/grad_norm_spike` is 1 when the gradient norm exceeds this factor x its running median."""
 
+    batch_hashes: bool = False
+    """Log `batch/hash`, a 48-bit hash of the token ids, targets and loss masks each step trained on (computed on the
+    host, no device read); `lmforge replay RUN --verify` recomputes it from the run's data (docs/monitoring.md)."""
+
 
 class TokenizerConfig(Section):
     """`[tokenizer]`: the tokenizer whose ids the data holds."""

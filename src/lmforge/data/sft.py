@@ -65,6 +65,13 @@ class SampleSet:
     """int64 [n + 1] start of every sample, then the total."""
     stats: SampleStats
     """Counts from loading."""
+    files: tuple[str, ...] = ()
+    """The files the samples came from, in reading order."""
+    origin: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
+    """int64 [n, 3] per sample: index into `files`, row in that file, and JSONL line number (-1 for other
+    formats)."""
+    truncated: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    """bool [n]: the sample was cut to seq_len + 1 tokens (data.overlong = "truncate")."""
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -78,6 +85,11 @@ class SampleSet:
         """(ids, loss) of sample i."""
         lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
         return self.tokens[lo:hi], self.loss[lo:hi]
+
+    def where(self, i: int) -> str:
+        """Where sample i was read: `FILE line N` for JSONL, `FILE row N` otherwise."""
+        file, row, line = (int(v) for v in self.origin[i])
+        return f"{self.files[file]} line {line}" if line >= 0 else f"{self.files[file]} row {row}"
 
     def micro_batch(self, indices: Sequence[int], capacity: int) -> MicroBatch:
         """Samples `indices` packed into one micro-batch of `capacity` positions."""
@@ -127,6 +139,9 @@ def load_samples(paths: Sequence[str], tokenizer: TokenizerInfo, cfg: SFTDataCon
     limit = cfg.seq_len + 1
     ids: list[np.ndarray] = []
     masks: list[np.ndarray] = []
+    files: dict[str, int] = {}
+    origin: list[tuple[int, int, int]] = []
+    truncated: list[bool] = []
     stats = SampleStats()
     try:
         for rec in read_records(paths):
@@ -136,7 +151,8 @@ def load_samples(paths: Sequence[str], tokenizer: TokenizerInfo, cfg: SFTDataCon
             except ChatError as e:
                 raise SFTDataError(f"{rec.where()}: {e}") from None
             sample_ids, loss = tokens.ids, tokens.loss
-            if len(sample_ids) > limit:
+            cut = len(sample_ids) > limit
+            if cut:
                 stats.overlong += 1
                 if cfg.overlong == "drop":
                     stats.dropped += 1
@@ -149,6 +165,8 @@ def load_samples(paths: Sequence[str], tokenizer: TokenizerInfo, cfg: SFTDataCon
                 continue
             ids.append(sample_ids)
             masks.append(loss)
+            origin.append((files.setdefault(rec.source, len(files)), rec.row, -1 if rec.line is None else rec.line))
+            truncated.append(cut)
     except RecordError as e:
         raise SFTDataError(str(e)) from None
     where = ", ".join(str(p) for p in paths)
@@ -161,7 +179,8 @@ def load_samples(paths: Sequence[str], tokenizer: TokenizerInfo, cfg: SFTDataCon
         )
     offsets = np.zeros(len(ids) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(x) for x in ids])
-    return SampleSet(np.concatenate(ids), np.concatenate(masks), offsets, stats)
+    return SampleSet(np.concatenate(ids), np.concatenate(masks), offsets, stats, tuple(files),
+                     np.asarray(origin, dtype=np.int64), np.asarray(truncated, dtype=bool))  # fmt: skip
 
 
 def describe(stats: SampleStats, kept: int) -> str:
@@ -230,14 +249,23 @@ class SFTData:
                 "data.max_epochs"
             )
 
-    def next_step(self) -> list[MicroBatch]:
-        """This rank's micro-batches of the next step."""
+    def next_bins(self) -> list[list[int]]:
+        """The sample ids of every micro-batch of the next step (all ranks', in order), moving the stream past it."""
         bins, after = self._plan(self.per_step)
         if len(bins) < self.per_step:
             raise SFTDataError(f"data.max_epochs = {self.cfg.max_epochs} reached: the samples ran out mid-step")
-        share = self.per_step // self.world_size
-        mine = bins[self.rank * share : (self.rank + 1) * share]
         self.epoch_, self.index = after
+        return bins
+
+    def skip_steps(self, steps: int) -> None:
+        """Move the stream past `steps` steps (packing them, without building their micro-batches)."""
+        for _ in range(steps):
+            self.next_bins()
+
+    def next_step(self) -> list[MicroBatch]:
+        """This rank's micro-batches of the next step."""
+        share = self.per_step // self.world_size
+        mine = self.next_bins()[self.rank * share : (self.rank + 1) * share]
         return [self.samples.micro_batch(b, self.capacity) for b in mine]
 
     def state_dict(self) -> dict[str, Any]:

@@ -76,6 +76,14 @@ class SourceMap:
             i += 1
         return out
 
+    def source_of(self, file: int, doc: int) -> str:
+        """The source name of document `doc` of the pool's file number `file`."""
+        source = self._files[file]
+        if isinstance(source, int):
+            return self.names[source]
+        ids, mapping = source
+        return self.names[int(mapping[int(ids[doc])])]
+
     def document_sources(self) -> np.ndarray:
         """int64 source index of every document of the pool, in pool order (a file's end also ends a document)."""
         parts = []

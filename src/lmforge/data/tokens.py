@@ -100,13 +100,17 @@ class TokenData:
         """Windows in epoch `epoch` (it varies by at most one with the epoch's offset)."""
         return self._rng(epoch)[2]
 
-    def window(self, global_window: int) -> Window:
-        """The window with this global number."""
+    def window_start(self, global_window: int) -> int:
+        """The pool offset of the first token of the window with this global number."""
         epoch, index = self.position(global_window)
         if epoch >= self.cfg.max_epochs:
             raise ShardError(f"data.max_epochs = {self.cfg.max_epochs} reached at window {global_window}")
         offset, order = self._order(epoch)
-        start = offset + int(order[index]) * self.cfg.seq_len
+        return offset + int(order[index]) * self.cfg.seq_len
+
+    def window(self, global_window: int) -> Window:
+        """The window with this global number."""
+        start = self.window_start(global_window)
         tokens, doc_starts, loss = self.pool.read(start, self.cfg.seq_len + 1)
         check_token_ids(self.pool, tokens, start, self.vocab_size)
         seg_lens = (
@@ -124,6 +128,10 @@ class TokenData:
         mine = self.layout.rank_windows(self.windows_done)
         self.windows_done += self.layout.windows_per_step
         return [pack_windows([self.window(i) for i in chunk]) for chunk in self.layout.split(mine)]
+
+    def skip_steps(self, steps: int) -> None:
+        """Move the stream past `steps` steps without reading them."""
+        self.windows_done += steps * self.layout.windows_per_step
 
     def state_dict(self) -> dict[str, Any]:
         """(epoch, windows consumed in it), plus the global counter they come from."""

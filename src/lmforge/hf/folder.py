@@ -78,9 +78,12 @@ def is_hf_folder(path: Path) -> bool:
     )
 
 
-def load_pretrained(path: Path, device: torch.device | str = "cpu") -> tuple[CausalLM, TokenizerInfo | None]:
+def load_pretrained(
+    path: Path, device: torch.device | str = "cpu", attn: str = "sdpa"
+) -> tuple[CausalLM, TokenizerInfo | None]:
     """A model for inference from an HF folder, a run directory (its latest checkpoint) or a checkpoint folder,
-    with the tokenizer stored beside it (None if there is none). No process group is needed."""
+    with the tokenizer stored beside it (None if there is none), attending with `attn` (`model.attn`). No process
+    group is needed."""
     if (path / "config.json").is_file():
         # An HF folder: one without safetensors weights (pickle ones, say) is refused here, not taken for a run.
         require_safetensors(path)
@@ -89,15 +92,15 @@ def load_pretrained(path: Path, device: torch.device | str = "cpu") -> tuple[Cau
         files = _checkpoint_of(path) / MODEL_FILES
     else:
         raise HFModelError(f"{path}: not a model folder, run directory or checkpoint")
-    model, _ = _model_from(files, checkpoint=files is not path)
+    model, _ = _model_from(files, checkpoint=files is not path, attn=attn)
     tokenizer = load_tokenizer(files) if (files / "tokenizer.json").is_file() else None
     return model.to(device).eval(), tokenizer
 
 
-def _model_from(files: Path, checkpoint: bool) -> tuple[CausalLM, HFModelInfo]:
+def _model_from(files: Path, checkpoint: bool, attn: str = "sdpa") -> tuple[CausalLM, HFModelInfo]:
     # `files` holds config.json; the weights are its safetensors, or the DCP shards of the checkpoint around it.
     info = read_hf_config(files)
-    model = build_model(info.arch, info.vocab_size, "sdpa", torch.device("cpu"))
+    model = build_model(info.arch, info.vocab_size, attn, torch.device("cpu"))
     if checkpoint:
         load_model_weights(files.parent, model)
     else:

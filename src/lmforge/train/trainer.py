@@ -44,6 +44,7 @@ from lmforge.parallel.pipeline import Pipeline, PipelineScorer
 from lmforge.parallel.process_group import DistContext
 from lmforge.train.callbacks.balancing import MoEBalancer, moe_balancer
 from lmforge.train.callbacks.base import Callback
+from lmforge.train.callbacks.batch_hashes import BatchHashes
 from lmforge.train.callbacks.checkpointing import Checkpointing
 from lmforge.train.callbacks.eval_snapshots import EvalSnapshots
 from lmforge.train.callbacks.mtp import MtpLoss
@@ -164,6 +165,8 @@ class Trainer:
         configured = self._configured_callbacks(balancer)
         if isinstance(source, TokenData) and source.sources is not None:
             configured.append(SourceShares(source.sources.names))
+        if config.log.batch_hashes:
+            configured.append(BatchHashes())
         windows = [arch.attention_window(i) for i in range(arch.num_hidden_layers)]
         self.flops = FlopCounter(whole, arch.num_hidden_layers, arch.num_attention_heads, arch.dim_per_head,
                                  windows, arch.value_head_dim)  # fmt: skip
@@ -247,6 +250,8 @@ class Trainer:
         """One optimizer step over this rank's micro-batches; returns the step's global metrics. `stop` is this
         rank's stop request; `self.stop_agreed` says afterwards whether any rank made one."""
         device, defer = self.ctx.device, self.config.model.defer_grad_sync
+        for cb in self.callbacks:
+            cb.on_step_data(self, micro_batches)
         micro_batches = [shard_micro_batch(mb, self.ctx.cp) for mb in micro_batches]
         for cb in self.callbacks:
             cb.on_step_start(self, micro_batches)

@@ -5,7 +5,7 @@ here.
 The loop calls them in the order `lmforge.train.callbacks.order` declares:
 
     on_train_start                                   once, before the first step (also after a resume)
-    per step:  on_step_start -> micro-batches -> step_sums -> one reduction -> on_step_reduced
+    per step:  on_step_data -> on_step_start -> micro-batches -> step_sums -> one reduction -> on_step_reduced
                -> optimizer update -> after_optimizer_step
     on_train_end                                     once, after the last step (also after a stop request)
     close                                            always, also after an exception
@@ -35,6 +35,10 @@ class Callback:
 
     def on_train_start(self, trainer: Trainer) -> None:
         """Once before the first step of this process (`trainer.step` > 0 after a resume)."""
+
+    def on_step_data(self, trainer: Trainer, micro_batches: Sequence[MicroBatch]) -> None:
+        """The rank's micro-batches of the step as the data stream gave them: whole rows on the host, before
+        context parallelism cuts each into this rank's share."""
 
     def on_step_start(self, trainer: Trainer, micro_batches: Sequence[MicroBatch]) -> None:
         """Before the step's first micro-batch."""

@@ -9,7 +9,7 @@ Within a step the order matters where one callback reads what another wrote:
 3. `Checkpointing` saves the checkpoint (when due, or when the ranks agreed to stop), with the state the callbacks
    above left;
 4. `EvalSnapshots` writes the eval worker's model-only snapshot;
-5. `SourceShares` adds the per-source token counts of a mixture;
+5. `SourceShares` adds the per-source token counts of a mixture, `BatchHashes` the step's data fingerprint;
 6. `Validation` runs the held-out sets on the updated weights;
 7. callbacks passed to the `Trainer` (`EXTRA`), in the order given;
 8. `Reporting` logs the step last, so it sees every metric the others added (`time/save_ckpt`, `val/*`, ...).
@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 from lmforge.train.callbacks.balancing import MoEBalancer
 from lmforge.train.callbacks.base import Callback
+from lmforge.train.callbacks.batch_hashes import BatchHashes
 from lmforge.train.callbacks.checkpointing import Checkpointing
 from lmforge.train.callbacks.eval_snapshots import EvalSnapshots
 from lmforge.train.callbacks.mtp import MtpLoss
@@ -39,6 +40,7 @@ ORDER: tuple[type[Callback] | str, ...] = (
     Checkpointing,
     EvalSnapshots,
     SourceShares,
+    BatchHashes,
     Validation,
     EXTRA,
     Reporting,
