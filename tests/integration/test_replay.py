@@ -10,19 +10,22 @@ from typing import Any
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from lmforge.checkpoint.layout import data_position_before
 from lmforge.data.replay import ReplayedBatch, replay_next_step, seek
 from lmforge.data.shards import list_shards
 from lmforge.data.stream import build_step_data
 from lmforge.data.tokenizer import load_tokenizer
+from lmforge.eval.step_documents import RunSteps
 from lmforge.eval.worker import read_run_config
 from lmforge.monitor import read_metrics
 from lmforge.prep.mix import SourceSpec, mix_sources
 from tests.chat import chat_tokenizer, conversation, write_jsonl
 from tests.conftest import arch_toml, tiny_llama
 from tests.integration.runner import env_one_thread, run_cli
-from tests.shards import random_docs, word_tokenizer, write_shard
+from tests.integration.test_viz import CHROMIUM, require_browser
+from tests.shards import EOS, random_docs, write_shard
 
 pytestmark = pytest.mark.slow
 
@@ -134,8 +137,50 @@ def assert_scores_add_up(listing: dict[str, Any], record: dict[str, float], chec
     assert [d["loss_sum"] for d in score["top"]] == highest and highest[0] > 0
 
 
+def markup_tokenizer(folder: Path) -> Path:
+    """A word-level tokenizer (EOS at 0) whose first ids decode to script tags: document text that must stay text."""
+    vocab = {EOS: 0, **{(f"<script>window.__pwned={i}</script>" if i <= 40 else f"w{i}"): i for i in range(1, 300)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=EOS))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    folder.mkdir(parents=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
+    return folder
+
+
+def assert_report_lists_the_spike(run: Path, tmp: Path, scored: dict[str, Any]) -> None:
+    """`lmforge report --spikes` shows step 5's top documents as `replay --score` ranks them, their text (holding
+    script tags) as text in Chromium."""
+    require_browser()
+    from playwright.sync_api import sync_playwright
+
+    report = tmp / "report.html"
+    result = run_cli(["report", str(run), "-o", str(report), "--spikes"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page()
+            page.goto(report.as_uri(), wait_until="load")
+            page.wait_for_timeout(300)
+            pwned = page.evaluate("() => typeof window.__pwned")
+            table = page.inner_text("#spikes table")
+            cells = page.eval_on_selector_all("#spike-5 tr", "rs => rs.map(r => [...r.cells].map(c => c.innerText))")
+            note = page.inner_text("#spike-5 .note")
+        finally:
+            browser.close()
+    assert pwned == "undefined"
+    assert "5\tloss" in table
+    assert "checkpoint step_4 (the step before)" in note
+    shown = [(row[3], row[4]) for row in cells[1:]]
+    top = scored["score"]["top"]
+    assert [w for w, _ in shown] == [d["where"] + (f" [{d['source']}]" if d["source"] else "") for d in top]
+    assert [t.replace("\n", "") for _, t in shown] == [d["text"].replace("\n", "") for d in top]
+    assert any("<script>" in t for _, t in shown), shown
+
+
 def test_token_mixture_steps_replay_in_one_process_across_an_epoch_and_a_resume(tmp_path: Path) -> None:
-    tok = word_tokenizer(tmp_path / "tok")
+    tok = markup_tokenizer(tmp_path / "tok")
     write_shard(tmp_path / "web", "a", random_docs(120, seed=1, mean_len=8))
     write_shard(tmp_path / "code", "a", random_docs(20, seed=2, mean_len=40))
     pool = tmp_path / "pool"
@@ -153,8 +198,15 @@ def test_token_mixture_steps_replay_in_one_process_across_an_epoch_and_a_resume(
     epochs = [records[s]["progress/epoch"] for s in range(1, 8)]
     assert epochs[0] < 1 < epochs[-1], f"the steps should cross an epoch: {epochs}"
     sources_before = {"web": 0.0, "code": 0.0}
+    trained_in: dict[str, list[tuple[int, int, int]]] = {}
     for step in range(1, 8):
         batches = replayed(run, step)
+        for b in batches:
+            for row in b.rows:
+                for p in row.pieces:
+                    if p.loss_tokens:
+                        window = int(row.label.split()[1])
+                        trained_in.setdefault(p.where, []).append((step, b.index, window))
         assert_same_batches(batches, captured(capture, step), step)
         loss_tokens, by_source = 0, {"web": 0, "code": 0}
         for b in batches:
@@ -172,6 +224,18 @@ def test_token_mixture_steps_replay_in_one_process_across_an_epoch_and_a_resume(
             assert count == logged - sources_before[name], (step, name)
             sources_before[name] = logged
 
+    # Every document's steps, asked of --document's code, are where the replays above found it.
+    steps = RunSteps(run)
+    for where, found in trained_in.items():
+        file, index = where.split(" doc ")
+        asked = steps.document_steps(f"{file}:{index}")
+        assert [(d["step"], d["micro_batch"], d["window"]) for d in asked] == sorted(found), where
+    repeated = next(w for w, found in trained_in.items() if len({f[0] for f in found}) > 1 and found[-1][0] >= 5)
+    cli = run_cli(["replay", str(run), "--document", repeated.replace(" doc ", ":")])
+    assert cli.returncode == 0 and f"step {trained_in[repeated][-1][0]}, micro-batch" in cli.stdout, cli.stdout
+    unseen = run_cli(["replay", str(run), "--document", f"{repeated.split(' doc ')[0]}:9999"])
+    assert unseen.returncode == 2 and "holds documents 0.." in unseen.stderr
+
     # The command line: step 5 begins from the step-4 checkpoint's position; its documents name file and source.
     listing = replay_json(run, 5, tmp_path, "--score", "--top", "3")
     assert listing["from_checkpoint"] == 4 and listing["micro_batches_in_step"] == 4
@@ -181,13 +245,18 @@ def test_token_mixture_steps_replay_in_one_process_across_an_epoch_and_a_resume(
     assert {d["source"] for d in docs} == {"web", "code"}
     assert all(d["where"].startswith(str(pool)) and " doc " in d["where"] for d in docs)
     assert any(d["cut_before"] for d in docs) and any(d["cut_after"] for d in docs)
-    assert "w" in docs[0]["text"]  # decoded with the run's word tokenizer
+    assert all(d["text"] for d in docs) and any("<script>" in d["text"] for d in docs)  # the run's tokenizer
     one = replay_json(run, 5, tmp_path, "--micro-batch", "2")
     assert [mb["index"] for mb in one["micro_batches"]] == [2]
 
     verified = run_cli(["replay", str(run), "--verify"])
     assert verified.returncode == 0, verified.stderr[-3000:]
     assert "7 steps verified" in verified.stdout
+
+    # A spike planted at step 5: the report replays it and lists the documents `replay --score` ranks first.
+    planted = [{**r, "loss/spike": 1.0} if r["step"] == 5 else r for r in read_metrics(run / "metrics.jsonl")]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in planted))
+    assert_report_lists_the_spike(run, tmp_path, replay_json(run, 5, tmp_path, "--score", "--top", "5", "--chars", "0"))
 
     # One token changed in the pool: the first step that trained on it no longer hashes to what was logged.
     (shard,) = list_shards(pool)
@@ -204,8 +273,8 @@ def test_token_mixture_steps_replay_in_one_process_across_an_epoch_and_a_resume(
 
 def test_sft_steps_replay_with_their_rows_and_loss_masks(tmp_path: Path) -> None:
     tok = chat_tokenizer(tmp_path / "tok")
-    chat = write_jsonl(tmp_path / "chat.jsonl",
-                       [{"messages": conversation(i, turns=1 + i % 2, system=i % 3 == 0)} for i in range(40)])  # fmt: skip
+    rows = [{"messages": conversation(i, turns=1 + i % 2, system=i % 3 == 0)} for i in range(40)]
+    chat = write_jsonl(tmp_path / "chat.jsonl", rows)
     run, capture = tmp_path / "run", tmp_path / "capture"
     cfg = tmp_path / "sft.toml"
     cfg.write_text(SFT.format(out=run, tok=tok, chat=chat) + ARCH)
@@ -231,6 +300,12 @@ def test_sft_steps_replay_with_their_rows_and_loss_masks(tmp_path: Path) -> None
         assert all(m["content"] not in trained for m in messages if m["role"] == "user"), d
     verified = run_cli(["replay", str(run), "--verify"])
     assert verified.returncode == 0, verified.stdout + verified.stderr
+    # --document FILE:LINE finds a row in the steps whose replay holds it.
+    where = docs[0]["where"]
+    found = [(s, b.index) for s in (1, 2, 3) for b in replayed(run, s) for p in b.rows[0].pieces if p.where == where]
+    asked = RunSteps(run).document_steps(where.replace(" line ", ":"))
+    assert [(d["step"], d["micro_batch"]) for d in asked] == found
+    assert (2, listing["micro_batches"][0]["index"]) in found
 
 
 def test_replay_refuses_bad_requests_with_one_line(tmp_path: Path) -> None:

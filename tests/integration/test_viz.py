@@ -180,6 +180,10 @@ def test_report_is_self_contained(tmp_path: Path, capsys: pytest.CaptureFixture[
         assert f'id="{panel}"' in page
     assert "124M (124,439,808)" in page and "best val loss" in page
     assert f"output_dir = &quot;{run}&quot;" in page  # the config, escaped
+    # the flagged steps, listed without replaying them (no --spikes)
+    spikes = re.search(r'<div id="spikes">(.*?)</table>', page)
+    assert spikes is not None and "2 flagged steps" in spikes.group(1)
+    assert "<td>23</td><td>loss</td>" in spikes.group(1) and "<td>31</td><td>gradient norm</td>" in spikes.group(1)
     # a run without MoE or validation metrics has no such panels
     plain = make_run(tmp_path, "plain")
     records = [
@@ -193,7 +197,7 @@ def test_report_is_self_contained(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "no such run directory" in capsys.readouterr().err
 
 
-def _require_browser() -> None:
+def require_browser() -> None:
     """Skip when Chromium or Playwright is missing; under CI (which installs both) fail instead."""
     missing = []
     if not CHROMIUM.exists():
@@ -211,7 +215,7 @@ def _require_browser() -> None:
 
 @pytest.mark.timeout(120)
 def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
-    _require_browser()
+    require_browser()
     from playwright.sync_api import sync_playwright
 
     report = tmp_path / "report.html"
@@ -266,7 +270,7 @@ ATTRIBUTE = '"><img src=x onerror="window.__pwned=2">'
 @pytest.mark.timeout(120)
 def test_report_shows_markup_from_configs_and_metrics_as_text(tmp_path: Path) -> None:
     """Run name, W&B name and tags, and metric names holding HTML stay text in the page: nothing in them runs."""
-    _require_browser()
+    require_browser()
     from playwright.sync_api import sync_playwright
 
     run = make_run(tmp_path, ATTRIBUTE)  # a folder name may hold all of it but the `/` of a closing tag
@@ -291,7 +295,7 @@ def test_report_shows_markup_from_configs_and_metrics_as_text(tmp_path: Path) ->
             title = page.title()
             summary = page.inner_text("#run-summary")
             config = page.inner_text("#run-config")
-            note = page.inner_text("p.note")
+            note = page.inner_text("#unplotted")
             legends = page.inner_text("#panel-val")
         finally:
             browser.close()

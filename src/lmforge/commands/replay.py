@@ -1,27 +1,25 @@
 """`lmforge replay RUN --step N [--micro-batch I] [--score [--checkpoint K] [--top T]] [--json FILE] [--chars C]` and
-`lmforge replay RUN --verify`.
+`lmforge replay RUN --verify` and `lmforge replay RUN --document FILE:INDEX`.
 
 Replay rebuilds, in one process and from the run directory alone (its config.toml, the data and tokenizer it names,
 and its checkpoints' data positions), the micro-batches a step trained on, and lists the documents in each
 (`lmforge.data.replay`). `--score` adds each document's loss under a checkpoint's weights
 (`lmforge.eval.document_loss`) and lists the documents with the highest summed loss. `--verify` recomputes the
 `batch/hash` each logged step recorded (`log.batch_hashes`) and names the first step whose data differs.
+`--document` lists every step that trained on one document.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from lmforge.commands.errors import CommandParser, fail, parse_args
 
 USAGE = (
     "lmforge replay RUN_DIR --step N [--micro-batch I] [--score [--checkpoint K] [--top T]] [--json FILE] [--chars C]"
-    " | RUN_DIR --verify [--step N]"
+    " | RUN_DIR --verify [--step N] | RUN_DIR --document FILE:INDEX"
 )
 
 
@@ -41,6 +39,8 @@ def _parser() -> CommandParser:
                         "at or before step N - 1)")  # fmt: skip
     parser.add_argument("--top", type=int, default=10, help="documents listed by summed loss with --score (default 10)")
     parser.add_argument("--chars", type=int, default=120, help="characters of text shown per document (0: all)")
+    parser.add_argument("--document", help="FILE:INDEX (a token shard's INDEX-th document, as the listing names it) "
+                        "or FILE:LINE (an SFT row): list every step that trained on it")  # fmt: skip
     parser.add_argument("--verify", action="store_true", help="recompute the logged batch/hash of every logged step "
                         "(or of --step) and compare")  # fmt: skip
     return parser
@@ -54,8 +54,8 @@ def main(argv: list[str]) -> int:
         return args
     if args.step is not None and args.step < 1:
         return fail("replay", f"--step {args.step}: steps count from 1")
-    if not args.verify and args.step is None:
-        return fail("replay", "give --step N (the step to list) or --verify")
+    if not args.verify and args.step is None and args.document is None:
+        return fail("replay", "give --step N (the step to list), --verify or --document FILE:INDEX")
     if args.chars < 0:
         return fail("replay", f"--chars {args.chars}: must be 0 (all) or more")
     if args.top < 1:
@@ -71,6 +71,8 @@ def main(argv: list[str]) -> int:
     try:
         if args.verify:
             return _verify(args.run_dir, args.step)
+        if args.document is not None:
+            return _document(args.run_dir, args.document)
         return _list(args)
     except (ConfigError, CheckpointError, HFModelError, ReplayError, *DataError) as e:
         return fail("replay", str(e))
@@ -78,43 +80,12 @@ def main(argv: list[str]) -> int:
         return fail("replay", f"{e.filename or args.run_dir}: {e.strerror or e}")
 
 
-class _Streams:
-    """One-process data streams of a run, moved to any step from the nearest earlier data position."""
-
-    def __init__(self, run_dir: Path) -> None:
-        from lmforge.data.tokenizer import load_tokenizer
-        from lmforge.eval.worker import read_run_config
-
-        self.run_dir = run_dir
-        self.config = read_run_config(run_dir)
-        name = self.config.tokenizer.name
-        self.tokenizer = load_tokenizer(name) if name else None
-        self._stream: Any = None
-        self._at = (-1, -1)  # (step of the position it started from, steps it has gone past)
-
-    def at(self, step: int) -> Any:
-        """The stream positioned at the start of `step`."""
-        from lmforge.checkpoint.layout import data_position_before
-        from lmforge.data.replay import ReplayError, seek
-        from lmforge.data.stream import build_step_data
-
-        if step > self.config.max_steps:
-            raise ReplayError(f"--step {step}: the run has max_steps = {self.config.max_steps}")
-        anchor, position = data_position_before(self.run_dir, step)
-        if self._stream is None or self._at[0] != anchor or self._at[1] > step - 1:
-            self._stream = build_step_data(self.config.data, 0, 1, self.tokenizer)
-            seek(self._stream, position, step - 1 - anchor)
-        else:
-            seek(self._stream, None, step - 1 - self._at[1])
-        self._at = (anchor, step)
-        return self._stream
-
-
 def _verify(run_dir: Path, only: int | None) -> int:
     from rich.console import Console
 
     from lmforge.data.batch_hash import micro_batch_hash, step_hash
     from lmforge.data.replay import ReplayError
+    from lmforge.eval.step_documents import RunSteps
     from lmforge.monitor.jsonl import read_metrics
 
     metrics = run_dir / "metrics.jsonl"
@@ -125,24 +96,49 @@ def _verify(run_dir: Path, only: int | None) -> int:
         logged = {only: logged[only]}
     if not logged:
         raise ReplayError(f"{metrics}: no step logged batch/hash; train with log.batch_hashes = true")
-    streams, console = _Streams(run_dir), Console()
+    steps, console = RunSteps(run_dir), Console(highlight=False)
     for step, expected in sorted(logged.items()):
-        found = step_hash([micro_batch_hash(mb) for mb in streams.at(step).next_step()])
+        found = step_hash([micro_batch_hash(mb) for mb in steps.micro_batches(step)])
         if found != expected:
             console.print(f"step {step}: the replayed data hashes to {found:012x}, the run logged {expected:012x}: "
-                          "the data, the tokenizer or the config changed since", highlight=False)  # fmt: skip
+                          "the data, the tokenizer or the config changed since")  # fmt: skip
             return 1
-    console.print(f"{len(logged)} steps verified: their replayed data hashes to what the run logged", highlight=False)
+    console.print(f"{len(logged)} steps verified: their replayed data hashes to what the run logged")
+    return 0
+
+
+def _document(run_dir: Path, document: str) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+
+    from lmforge.eval.step_documents import RunSteps
+
+    steps = RunSteps(run_dir)
+    found = steps.document_steps(document)
+    console = Console(highlight=False)
+    last = steps.last_step()
+    if not found:
+        console.print(f"{escape(document)} was not trained on in steps 1..{last}")
+        return 0
+    times = "once" if len(found) == 1 else f"{len(found)} times"
+    epochs = {f["epoch"] for f in found if "epoch" in f}
+    across = f" across {len(epochs)} epochs" if len(epochs) > 1 else ""
+    console.print(f"{escape(document)} was trained on {times}{across} in steps 1..{last}:")
+    for f in found:
+        where = f", window {f['window']} (epoch {f['epoch']})" if "window" in f else ""
+        console.print(f"  step {f['step']}, micro-batch {f['micro_batch']}{where}")
     return 0
 
 
 def _list(args: Any) -> int:
     from lmforge.checkpoint.layout import data_position_before
     from lmforge.data.batch_hash import step_hash
-    from lmforge.data.replay import ReplayError, replay_next_step
+    from lmforge.data.replay import ReplayError
+    from lmforge.eval.step_documents import RunSteps, describe_batch, top_documents
+    from lmforge.monitor.jsonl import read_metrics
 
-    streams = _Streams(args.run_dir)
-    batches = replay_next_step(streams.at(args.step))
+    steps = RunSteps(args.run_dir)
+    batches = steps.replay(args.step)
     shown = batches
     if args.micro_batch is not None:
         if not 0 <= args.micro_batch < len(batches):
@@ -151,98 +147,29 @@ def _list(args: Any) -> int:
             )
         shown = [batches[args.micro_batch]]
     anchor, _ = data_position_before(args.run_dir, args.step)
-    listing = {
+    described = [describe_batch(b, steps.tokenizer, args.chars) for b in shown]  # type: ignore[arg-type]
+    listing: dict[str, Any] = {
         "run": str(args.run_dir),
         "step": args.step,
-        "data_type": streams.config.data.type,
+        "data_type": steps.config.data.type,
         "from_checkpoint": anchor or None,
         "micro_batches_in_step": len(batches),
         "batch_hash": step_hash([b.hash for b in batches]),
-        "micro_batches": [_describe(b, streams.tokenizer, args.chars) for b in shown],
+        "micro_batches": described,
     }
     if args.score:
-        listing["score"] = _score(args, streams, shown, listing["micro_batches"], len(shown) == len(batches))
+        score = steps.score(shown, described, steps.scoring_checkpoint(args.step, args.checkpoint))
+        logged = [
+            r for r in read_metrics(args.run_dir / "metrics.jsonl") if r["step"] == args.step and "loss/mean" in r
+        ]
+        if len(shown) == len(batches) and logged:
+            score["logged_loss_mean"], score["logged_loss_tokens"] = logged[-1]["loss/mean"], logged[-1]["loss/tokens"]
+        score["top"] = top_documents(described, args.top)
+        listing["score"] = score
     _print(listing)
     if args.json is not None:
         args.json.write_text(json.dumps(listing, indent=1) + "\n", encoding="utf-8")
     return 0
-
-
-def _score(args: Any, streams: _Streams, batches: list[Any], described: list[dict[str, Any]],
-           whole: bool) -> dict[str, Any]:  # fmt: skip
-    """Score `batches` with the chosen checkpoint; adds `loss_sum` and `loss_mean` to each described document and
-    returns the summary: the checkpoint, the documents' totals, the logged loss of the step, the top documents."""
-    import torch
-
-    from lmforge.checkpoint.layout import CHECKPOINTS, list_checkpoints, step_name
-    from lmforge.data.replay import ReplayError
-    from lmforge.eval.document_loss import score_documents
-    from lmforge.hf.folder import load_pretrained
-    from lmforge.monitor.jsonl import read_metrics
-
-    root = args.run_dir / CHECKPOINTS
-    steps = list_checkpoints(root)
-    if args.checkpoint is None:
-        earlier = [s for s in steps if s <= args.step - 1]
-        if not earlier:
-            raise ReplayError(f"--score: {root} has no complete checkpoint at or before step {args.step - 1} "
-                              f"(complete checkpoints: {', '.join(map(str, steps)) or 'none'})")  # fmt: skip
-        args.checkpoint = earlier[-1]
-    elif args.checkpoint not in steps:
-        raise ReplayError(f"--checkpoint {args.checkpoint}: no complete checkpoint {root / step_name(args.checkpoint)} "
-                          f"(complete checkpoints: {', '.join(map(str, steps)) or 'none'})")  # fmt: skip
-    model, _ = load_pretrained(root / step_name(args.checkpoint), attn=streams.config.model.attn)
-    losses = score_documents(model, batches, torch.device("cpu"))
-    documents = [d for mb in described for row in mb["rows"] for d in row["documents"]]
-    for doc, scored in zip(documents, losses, strict=True):
-        doc["loss_sum"], doc["loss_mean"] = scored.loss_sum, scored.loss_mean
-    total, tokens = sum(d.loss_sum for d in losses), sum(d.piece.loss_tokens for d in losses)
-    summary: dict[str, Any] = {"checkpoint": args.checkpoint, "loss_sum": total, "loss_tokens": tokens,
-                               "loss_mean": total / tokens if tokens else float("nan")}  # fmt: skip
-    logged = [r for r in read_metrics(args.run_dir / "metrics.jsonl") if r["step"] == args.step and "loss/mean" in r]
-    if whole and logged:
-        summary["logged_loss_mean"], summary["logged_loss_tokens"] = logged[-1]["loss/mean"], logged[-1]["loss/tokens"]
-    ranked = sorted(range(len(documents)), key=lambda i: -losses[i].loss_sum)[: args.top]
-    summary["top"] = [{"micro_batch": losses[i].batch, **documents[i]} for i in ranked]
-    return summary
-
-
-def _describe(batch: Any, tokenizer: Any, chars: int) -> dict[str, Any]:
-    rows = []
-    for row in batch.rows:
-        documents = []
-        for p in row.pieces:
-            segments = _segments(p.token_ids, p.loss, tokenizer, chars)
-            documents.append({
-                "where": p.where,
-                "source": p.source,
-                "span": [p.start, p.start + len(p.token_ids)],
-                "tokens": len(p.token_ids),
-                "cut_before": p.cut_before,
-                "cut_after": p.cut_after,
-                "loss_tokens": p.loss_tokens,
-                "text": "".join(s["text"] for s in segments),
-                "segments": segments,
-            })  # fmt: skip
-        rows.append({"row": row.label, "documents": documents})
-    return {"index": batch.index, "hash": batch.hash, "loss_tokens": int(batch.batch.loss_mask.sum()), "rows": rows}
-
-
-def _segments(ids: np.ndarray, loss: np.ndarray, tokenizer: Any, chars: int) -> list[dict[str, Any]]:
-    """The part's text (its first `chars` characters; 0: all) in runs of tokens that are, or are not, loss targets,
-    so an SFT row shows what it trains on."""
-    cuts = [0, *(np.flatnonzero(np.diff(loss.astype(np.int8))) + 1).tolist(), len(ids)]
-    runs, left = [], chars or None
-    for a, b in itertools.pairwise(cuts):
-        if b == a:
-            continue
-        text = tokenizer.tokenizer.decode(ids[a:b].tolist(), skip_special_tokens=False)
-        if left is not None:
-            text, left = (text, left - len(text)) if len(text) < left else (text[:left] + "…", 0)
-        runs.append({"loss": bool(loss[a]), "text": text})
-        if left == 0:
-            break
-    return runs
 
 
 def _print(listing: dict[str, Any]) -> None:
@@ -295,4 +222,3 @@ def _print_score(console: Any, step: int, score: dict[str, Any]) -> None:
         console.print(f"  {d['loss_sum']:9.2f}  mean {d['loss_mean']:.3f}  {d['loss_tokens']:5d} tokens  "
                       f"micro-batch {d['micro_batch']}  [cyan]{escape(d['where'])}[/]{escape(source)}")  # fmt: skip
         console.print(f"      {_line(d['text'])}")
-

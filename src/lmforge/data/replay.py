@@ -15,6 +15,7 @@ documents add up to the step's `loss/tokens`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -171,3 +172,29 @@ def _sft_step(data: SFTData) -> list[ReplayedBatch]:
         row = Row(f"{len(sample_ids)} packed samples, {data.capacity - at} padding positions", 0, pieces)
         out.append(ReplayedBatch(i, samples.micro_batch(sample_ids, data.capacity), [row]))
     return out
+
+
+def document_windows(data: TokenData, file: str, index: int, windows: int) -> list[int]:
+    """The global numbers, below `windows`, of the windows with a target among the tokens of document `index` of
+    the pool's shard `file` (a path as `Piece.where` names it), in order."""
+    wanted = Path(file).resolve()
+    found = [i for i, f in enumerate(data.pool.files) if f.path.resolve() == wanted]
+    if not found:
+        raise ReplayError(f"{file} is not a shard of data.paths {list(data.cfg.paths)}")
+    f, base = data.pool.files[found[0]], int(data.pool.starts[found[0]])
+    if not 0 <= index < f.num_docs:
+        raise ReplayError(f"{file} holds documents 0..{f.num_docs - 1}, not {index}")
+    a, b = base + (int(f.doc_ends[index - 1]) if index else 0), base + int(f.doc_ends[index])
+    seq_len, out = data.cfg.seq_len, []
+    last_epoch = min(data.position(windows - 1)[0], data.cfg.max_epochs - 1) if windows else -1
+    for epoch in range(last_epoch + 1):
+        offset, order = data.epoch_order(epoch)
+        # Window j of the epoch starts at s = offset + j * seq_len and has targets s + 1 .. s + seq_len: it trains
+        # on the document when s lies in [a - seq_len, b - 2].
+        lo = max(0, -(-(a - seq_len - offset) // seq_len))
+        hi = min(len(order) - 1, (b - 2 - offset) // seq_len)
+        for j in range(lo, hi + 1):
+            g = data.epoch_start(epoch) + int(np.flatnonzero(order == j)[0])
+            if g < windows:
+                out.append(g)
+    return sorted(out)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -90,6 +91,16 @@ class SampleSet:
         """Where sample i was read: `FILE line N` for JSONL, `FILE row N` otherwise."""
         file, row, line = (int(v) for v in self.origin[i])
         return f"{self.files[file]} line {line}" if line >= 0 else f"{self.files[file]} row {row}"
+
+    def find(self, file: str, number: int) -> int | None:
+        """The sample read from `file` at JSONL line `number` (or row `number` for other formats), if one was."""
+        wanted = Path(file).resolve()
+        files = [i for i, f in enumerate(self.files) if Path(f).resolve() == wanted]
+        if not files:
+            return None
+        line_or_row = np.where(self.origin[:, 2] >= 0, self.origin[:, 2], self.origin[:, 1])
+        hits = np.flatnonzero((self.origin[:, 0] == files[0]) & (line_or_row == number))
+        return int(hits[0]) if len(hits) else None
 
     def micro_batch(self, indices: Sequence[int], capacity: int) -> MicroBatch:
         """Samples `indices` packed into one micro-batch of `capacity` positions."""

@@ -92,9 +92,20 @@ class TokenData:
     def position(self, global_window: int) -> tuple[int, int]:
         """(epoch, index in epoch) of a global window number."""
         while self._ends[-1] <= global_window:
-            self._ends.append(self._ends[-1] + self._rng(len(self._ends) - 1)[2])
+            self.epoch_start(len(self._ends))
         epoch = int(np.searchsorted(self._ends, global_window, side="right")) - 1
         return epoch, global_window - self._ends[epoch]
+
+    def epoch_start(self, epoch: int) -> int:
+        """The global number of the first window of `epoch`."""
+        while len(self._ends) <= epoch:
+            self._ends.append(self._ends[-1] + self._rng(len(self._ends) - 1)[2])
+        return self._ends[epoch]
+
+    def epoch_order(self, epoch: int) -> tuple[int, np.ndarray]:
+        """The token offset where `epoch`'s windows begin, and the order the epoch visits them in: its i-th window
+        is window order[i], starting at offset + order[i] * seq_len."""
+        return self._order(epoch)
 
     def epoch_size(self, epoch: int) -> int:
         """Windows in epoch `epoch` (it varies by at most one with the epoch's offset)."""

@@ -11,6 +11,7 @@ import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
 from lmforge.viz.runs import Run, ema, load_run, select_metrics
+from lmforge.viz.spikes import Spike, flagged_steps, spikes_html
 
 DEFAULT_SMOOTHING = 0.9
 CHART_HEIGHT = 420  # pixels, legend included
@@ -204,14 +205,16 @@ body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1400px
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin: 1.2em 0 0.3em; border-bottom: 1px solid #ddd; }
 table { border-collapse: collapse; } td { padding: 0.2em 1em 0.2em 0; vertical-align: top; }
 td:first-child { color: #555; } pre { background: #f6f6f6; padding: 1em; overflow-x: auto; font-size: 0.85em; }
-.note { color: #555; font-size: 0.9em; }
+.note { color: #555; font-size: 0.9em; } h3 { font-size: 1em; margin: 0.8em 0 0.2em; }
+.snippet { font-family: monospace; white-space: pre-wrap; word-break: break-word; }
 .charts { display: grid; gap: 0.5em 1em; } .chart { min-width: 0; }
 @media (max-width: 1000px) { .charts { grid-template-columns: minmax(0, 1fr) !important; } }
 """
 
 
-def render_report(run: Run, smoothing: float = DEFAULT_SMOOTHING) -> str:
-    """The report page of `run` as one HTML document, plotly.js included once, inline: it opens offline."""
+def render_report(run: Run, smoothing: float = DEFAULT_SMOOTHING, spikes: Sequence[Spike] | None = None) -> str:
+    """The report page of `run` as one HTML document, plotly.js included once, inline: it opens offline. The spike
+    section lists `spikes` (flagged steps with their documents) when given, else the flagged steps alone."""
     if not 0.0 <= smoothing < 1.0:
         raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
     names = run.metric_names()
@@ -219,6 +222,9 @@ def render_report(run: Run, smoothing: float = DEFAULT_SMOOTHING) -> str:
     body: list[str] = [f"<h1>{html.escape(title)}</h1>", '<div id="run-summary"><h2>Summary</h2><table>']
     body += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in summary_rows(run)]
     body.append("</table></div>")
+    flagged = flagged_steps(run) if spikes is None else list(spikes)
+    if flagged:
+        body.append(spikes_html(flagged, replayed=spikes is not None))
     shown: set[str] = set()
     for panel in PANELS:
         charts = _panel_charts(panel, names)
@@ -244,7 +250,7 @@ def render_report(run: Run, smoothing: float = DEFAULT_SMOOTHING) -> str:
         )
     rest = [n for n in names if n not in shown and not n.startswith("params/")]
     if rest:
-        body.append(f'<p class="note">Logged but not plotted: {html.escape(", ".join(rest))}.</p>')
+        body.append(f'<p class="note" id="unplotted">Logged but not plotted: {html.escape(", ".join(rest))}.</p>')
     body.append('<div id="run-config"><h2>config.toml</h2>')
     if run.config_text is None:
         body.append('<p class="note">The run directory has no config.toml.</p>')
@@ -260,12 +266,14 @@ def render_report(run: Run, smoothing: float = DEFAULT_SMOOTHING) -> str:
     )
 
 
-def write_report(run_dir: str | Path, output: Path, smoothing: float = DEFAULT_SMOOTHING) -> Path:
+def write_report(
+    run_dir: str | Path, output: Path, smoothing: float = DEFAULT_SMOOTHING, spikes: Sequence[Spike] | None = None
+) -> Path:
     """Write the report of the run in `run_dir` to `output` (see `render_report`); returns `output`.
 
     Raises `RunError` when the run directory cannot be read.
     """
-    page = render_report(load_run(run_dir), smoothing)
+    page = render_report(load_run(run_dir), smoothing, spikes)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(page, encoding="utf-8")
     return output
