@@ -273,7 +273,7 @@ def test_token_mixture_steps_replay_in_one_process_across_an_epoch_and_a_resume(
 
 def test_sft_steps_replay_with_their_rows_and_loss_masks(tmp_path: Path) -> None:
     tok = chat_tokenizer(tmp_path / "tok")
-    rows = [{"messages": conversation(i, turns=1 + i % 2, system=i % 3 == 0)} for i in range(40)]
+    rows = [{"messages": conversation(i, turns=1 + i % 2, system=i % 3 == 0)} for i in range(20)]
     chat = write_jsonl(tmp_path / "chat.jsonl", rows)
     run, capture = tmp_path / "run", tmp_path / "capture"
     cfg = tmp_path / "sft.toml"
@@ -281,6 +281,7 @@ def test_sft_steps_replay_with_their_rows_and_loss_masks(tmp_path: Path) -> None
     train_capturing(cfg, capture)
 
     records = {r["step"]: r for r in read_metrics(run / "metrics.jsonl") if r["step"] > 0}
+    assert records[1]["progress/epoch"] < 1 < records[3]["progress/epoch"], "the steps should cross an epoch"
     for step in (1, 2, 3):
         batches = replayed(run, step)
         assert_same_batches(batches, captured(capture, step), step)

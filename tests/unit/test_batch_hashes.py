@@ -24,7 +24,7 @@ class Ctx:
     dp_rank: int
     dp_size: int
     counts_rows: bool
-    device: torch.device = torch.device("cpu")
+    device: str = "cpu"
 
 
 def test_a_micro_batch_hash_changes_with_any_token_target_loss_flag_or_document_cut() -> None:

@@ -54,7 +54,7 @@ def spikes_html(spikes: Sequence[Spike], replayed: bool) -> str:
         f"<td>{_number(s.grad_norm, '.3g')}</td></tr>"
         for s in spikes
     )
-    out = [f'<div id="spikes"><h2>Spikes ({len(spikes)} flagged steps)</h2>',
+    out = [f'<div id="spikes"><h2>Spikes ({len(spikes)} flagged step{"" if len(spikes) == 1 else "s"})</h2>',
            f"<table><tr><td>step</td><td>flag</td><td>loss</td><td>grad norm</td></tr>{rows}</table>"]  # fmt: skip
     if not replayed:
         out.append('<p class="note">The documents behind each: <code>lmforge report RUN --spikes</code> replays and '
