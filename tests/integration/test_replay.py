@@ -199,6 +199,7 @@ def test_token_mixture_steps_replay_in_one_process_across_an_epoch_and_a_resume(
     assert epochs[0] < 1 < epochs[-1], f"the steps should cross an epoch: {epochs}"
     sources_before = {"web": 0.0, "code": 0.0}
     trained_in: dict[str, list[tuple[int, int, int]]] = {}
+    source_of: dict[str, str] = {}
     for step in range(1, 8):
         batches = replayed(run, step)
         for b in batches:
@@ -207,6 +208,7 @@ def test_token_mixture_steps_replay_in_one_process_across_an_epoch_and_a_resume(
                     if p.loss_tokens:
                         window = int(row.label.split()[1])
                         trained_in.setdefault(p.where, []).append((step, b.index, window))
+                        source_of[p.where] = str(p.source)
         assert_same_batches(batches, captured(capture, step), step)
         loss_tokens, by_source = 0, {"web": 0, "code": 0}
         for b in batches:
@@ -231,8 +233,12 @@ def test_token_mixture_steps_replay_in_one_process_across_an_epoch_and_a_resume(
         asked = steps.document_steps(f"{file}:{index}")
         assert [(d["step"], d["micro_batch"], d["window"]) for d in asked] == sorted(found), where
     repeated = next(w for w, found in trained_in.items() if len({f[0] for f in found}) > 1 and found[-1][0] >= 5)
-    cli = run_cli(["replay", str(run), "--document", repeated.replace(" doc ", ":")])
+    named = f"{source_of[repeated]}:{repeated.replace(' doc ', ':')}"  # SOURCE:FILE:INDEX
+    cli = run_cli(["replay", str(run), "--document", named])
     assert cli.returncode == 0 and f"step {trained_in[repeated][-1][0]}, micro-batch" in cli.stdout, cli.stdout
+    other = {"web": "code", "code": "web"}[source_of[repeated]]
+    wrong = run_cli(["replay", str(run), "--document", f"{other}:{repeated.replace(' doc ', ':')}"])
+    assert wrong.returncode == 2 and f"comes from source '{source_of[repeated]}'" in wrong.stderr, wrong.stderr
     unseen = run_cli(["replay", str(run), "--document", f"{repeated.split(' doc ')[0]}:9999"])
     assert unseen.returncode == 2 and "holds documents 0.." in unseen.stderr
 

@@ -19,7 +19,7 @@ from lmforge.commands.errors import CommandParser, fail, parse_args
 
 USAGE = (
     "lmforge replay RUN_DIR --step N [--micro-batch I] [--score [--checkpoint K] [--top T]] [--json FILE] [--chars C]"
-    " | RUN_DIR --verify [--step N] | RUN_DIR --document FILE:INDEX"
+    " | RUN_DIR --verify [--step N] | RUN_DIR --document [SOURCE:]FILE:INDEX"
 )
 
 
@@ -39,8 +39,8 @@ def _parser() -> CommandParser:
                         "at or before step N - 1)")  # fmt: skip
     parser.add_argument("--top", type=int, default=10, help="documents listed by summed loss with --score (default 10)")
     parser.add_argument("--chars", type=int, default=120, help="characters of text shown per document (0: all)")
-    parser.add_argument("--document", help="FILE:INDEX (a token shard's INDEX-th document, as the listing names it) "
-                        "or FILE:LINE (an SFT row): list every step that trained on it")  # fmt: skip
+    parser.add_argument("--document", help="[SOURCE:]FILE:INDEX (a token shard's INDEX-th document, as the listing "
+                        "names it) or FILE:LINE (an SFT row): list every step that trained on it")  # fmt: skip
     parser.add_argument("--verify", action="store_true", help="recompute the logged batch/hash of every logged step "
                         "(or of --step) and compare")  # fmt: skip
     return parser

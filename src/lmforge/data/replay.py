@@ -174,9 +174,8 @@ def _sft_step(data: SFTData) -> list[ReplayedBatch]:
     return out
 
 
-def document_windows(data: TokenData, file: str, index: int, windows: int) -> list[int]:
-    """The global numbers, below `windows`, of the windows with a target among the tokens of document `index` of
-    the pool's shard `file` (a path as `Piece.where` names it), in order."""
+def _shard_document(data: TokenData, file: str, index: int) -> tuple[int, int, int]:
+    """(file number in the pool, first pool offset, end pool offset) of document `index` of shard `file`."""
     wanted = Path(file).resolve()
     found = [i for i, f in enumerate(data.pool.files) if f.path.resolve() == wanted]
     if not found:
@@ -184,7 +183,19 @@ def document_windows(data: TokenData, file: str, index: int, windows: int) -> li
     f, base = data.pool.files[found[0]], int(data.pool.starts[found[0]])
     if not 0 <= index < f.num_docs:
         raise ReplayError(f"{file} holds documents 0..{f.num_docs - 1}, not {index}")
-    a, b = base + (int(f.doc_ends[index - 1]) if index else 0), base + int(f.doc_ends[index])
+    return found[0], base + (int(f.doc_ends[index - 1]) if index else 0), base + int(f.doc_ends[index])
+
+
+def document_source(data: TokenData, file: str, index: int) -> str | None:
+    """The mixture source of document `index` of shard `file` (None outside mixtures)."""
+    number, _, _ = _shard_document(data, file, index)
+    return data.sources.source_of(number, index) if data.sources is not None else None
+
+
+def document_windows(data: TokenData, file: str, index: int, windows: int) -> list[int]:
+    """The global numbers, below `windows`, of the windows with a target among the tokens of document `index` of
+    the pool's shard `file` (a path as `Piece.where` names it), in order."""
+    _, a, b = _shard_document(data, file, index)
     seq_len, out = data.cfg.seq_len, []
     last_epoch = min(data.position(windows - 1)[0], data.cfg.max_epochs - 1) if windows else -1
     for epoch in range(last_epoch + 1):

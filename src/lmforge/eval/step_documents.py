@@ -21,7 +21,14 @@ from lmforge.checkpoint.layout import (
 from lmforge.config.train import TrainConfig
 from lmforge.data.base import StepData
 from lmforge.data.batch import MicroBatch
-from lmforge.data.replay import ReplayedBatch, ReplayError, document_windows, replay_next_step, seek
+from lmforge.data.replay import (
+    ReplayedBatch,
+    ReplayError,
+    document_source,
+    document_windows,
+    replay_next_step,
+    seek,
+)
 from lmforge.data.sft import SFTData
 from lmforge.data.stream import build_step_data
 from lmforge.data.tokenizer import TokenizerInfo, load_tokenizer
@@ -75,15 +82,23 @@ class RunSteps:
         return max(steps, default=self.config.max_steps)
 
     def document_steps(self, document: str) -> list[dict[str, Any]]:
-        """Every step, up to the last one logged, that trained on `document`: `FILE:INDEX` for the INDEX-th document
-        of a token shard, `FILE:LINE` (JSONL) or `FILE:ROW` (other formats) for an SFT row. Each entry has the step,
-        the micro-batch and, for token data, the window and epoch."""
+        """Every step, up to the last one logged, that trained on `document`: `[SOURCE:]FILE:INDEX` for the INDEX-th
+        document of a token shard (SOURCE, a mixture source, is checked against the document's), `FILE:LINE`
+        (JSONL) or `FILE:ROW` (other formats) for an SFT row. Each entry has the step, the micro-batch and, for
+        token data, the window and epoch."""
         file, _, number = document.rpartition(":")
         if not file or not number.isdigit():
             raise ReplayError(f"--document {document}: expected FILE:INDEX (or FILE:LINE for an SFT row)")
+        source = None
+        if ":" in file and not Path(file).exists():
+            source, _, file = file.partition(":")
         last = self.last_step()
         probe = build_step_data(self.config.data, 0, 1, self.tokenizer)
         if isinstance(probe, TokenData):
+            found = document_source(probe, file, int(number))
+            if source is not None and source != found:
+                raise ReplayError(f"--document {document}: document {number} of {file} comes from source {found!r}, "
+                                  f"not {source!r}")  # fmt: skip
             return self._window_steps(probe, file, int(number), last)
         if isinstance(probe, SFTData):
             sample = probe.samples.find(file, int(number))
