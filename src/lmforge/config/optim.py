@@ -56,10 +56,29 @@ class MuonConfig(_OptimFields):
     """Nesterov momentum: orthogonalize grad + momentum x buffer instead of the buffer."""
 
     ns_steps: int = Field(default=5, ge=1)
-    """Newton–Schulz iterations of the orthogonalization."""
+    """Iterations of the orthogonalization (Newton–Schulz or Polar Express)."""
 
     ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
-    """Coefficients (a, b, c) of the quintic Newton–Schulz iteration."""
+    """Coefficients (a, b, c) of the quintic Newton–Schulz iteration (unused with orthogonalizer =
+    "polar_express")."""
+
+    orthogonalizer: Literal["newton_schulz", "polar_express"] = "newton_schulz"
+    """How Muon orthogonalizes: `newton_schulz` repeats the quintic `ns_coefficients`; `polar_express` (Amsel et
+    al. 2025, arXiv:2505.16932) takes a different minimax-optimal quintic at each iteration (the published ones, the
+    last repeated beyond 8 steps) on the input divided by 1.01 x its Frobenius norm, and ends much closer to
+    orthogonal in the same `ns_steps`."""
+
+    normuon: bool = False
+    """NorMuon (Li et al. 2025, arXiv:2510.05491): keep a second-moment average of each output row of the
+    orthogonalized update, divide each row by its root, and rescale the update to its former Frobenius norm. Adds
+    optimizer state of one value per row of each Muon matrix (per expert row for expert stacks)."""
+
+    normuon_beta2: float = Field(default=0.95, ge=0, lt=1)
+    """NorMuon's decay of the per-row second-moment average (used with normuon = true)."""
+
+    cautious_weight_decay: bool = False
+    """Cautious weight decay (Chen et al. 2025, arXiv:2510.12402) for the Muon matrices: decay only the entries
+    where the update and the weight have the same sign. The AdamW groups keep plain decoupled decay."""
 
     adjust_lr: Literal["spectral", "match_adamw_rms"] = "match_adamw_rms"
     """Per-shape learning-rate factor of an (A, B) matrix: `spectral` = sqrt(max(1, A / B)); `match_adamw_rms` =

@@ -6,7 +6,8 @@ single-process step equals torch's up to float rounding; a stack's step equals o
 module adds is FSDP2 awareness: Newton–Schulz is not elementwise, so running it on a rank's row shard gives a
 different (wrong) update. Instead each matrix is orthogonalized once, whole, by one owner rank, and every rank gets
 its rows of the result back. Expert stacks are split along experts, so each rank orthogonalizes its own whole
-experts where they are (see `Muon`).
+experts where they are (see `Muon`). Optional variants (Polar Express, NorMuon, cautious weight decay) are
+described there; their math lives in `lmforge.optim.polar` and `lmforge.optim.normuon`.
 """
 
 from __future__ import annotations
@@ -20,18 +21,24 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lmforge.optim.normuon import normalize_rows
+from lmforge.optim.polar import DEFAULT_NS_COEFFICIENTS, newton_schulz, polar_express
+
 if dist.is_available():
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.placement_types import _StridedShard
 else:  # a torch built without distributed support can still use the local path
     DTensor = None  # type: ignore[assignment,misc]
 
-__all__ = ["ADJUST_LR", "DEFAULT_NS_COEFFICIENTS", "Muon", "newton_schulz"]
-
-# Keller Jordan's quintic: steepest slope at zero that still keeps singular values in a band around 1 after 5 steps
-DEFAULT_NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+__all__ = ["ADJUST_LR", "DEFAULT_NS_COEFFICIENTS", "ORTHOGONALIZERS", "Muon", "newton_schulz"]
 
 ParamsArg = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]]
+
+ORTHOGONALIZERS = ("newton_schulz", "polar_express")
+"""Names of the orthogonalizations a group's `orthogonalizer` may take (see `lmforge.optim.polar`)."""
+
+ROW_MOMENT = "row_second_moment"
+"""NorMuon's per-row state key: a tensor [..., A, 1] beside each parameter [..., A, B], sharded like its rows."""
 
 
 def _spectral_scale(rows: int, cols: int) -> float:
@@ -49,52 +56,6 @@ ADJUST_LR: dict[str, Callable[[int, int], float]] = {
     "match_adamw_rms": _match_adamw_rms_scale,
 }
 """Learning-rate multipliers by `adjust_lr` name, as functions of the matrix shape (rows, cols)."""
-
-
-def newton_schulz(
-    g: Tensor,
-    steps: int = 5,
-    coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
-    eps: float = 1e-7,
-) -> Tensor:
-    """Approximately orthogonalize the matrix `g` [A, B], or each matrix of a batch [..., A, B] (push its singular
-    values towards 1), with a quintic iteration.
-
-    Each matrix is divided by its own Frobenius norm (clamped below at `eps`, as torch does, so a zero matrix maps to
-    zero), which bounds its spectral norm by 1; then `steps` rounds of `X <- a X + (b X X^T + c (X X^T)^2) X` follow.
-    Tall matrices (A > B) are iterated transposed so the Gram matrix is the smaller square. A batch runs as one chain
-    of batched matmuls and gives each matrix what a call on that matrix alone gives, up to float rounding; an empty
-    batch gives an empty result. With the default coefficients the singular values end in a band around 1, not at 1
-    (about 0.68–1.13 after 5 steps for random matrices), which is the intended trade of accuracy for fewer steps.
-
-    The iteration runs in bfloat16 on CUDA (fast tensor-core matmuls, as torch does) and in float32 elsewhere (CPU
-    bfloat16 matmuls are slow, and float32 keeps results comparable to a float tolerance). The norms are always
-    taken in float32. Returns a new tensor of `g`'s shape and dtype; `g` is not modified.
-    """
-    if g.ndim < 2:
-        raise ValueError(f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(g.shape)}")
-    if len(coefficients) != 3:
-        raise ValueError(f"newton_schulz needs 3 coefficients (a, b, c), got {coefficients!r}")
-    a, b, c = coefficients
-    compute_dtype = torch.bfloat16 if g.is_cuda else torch.float32
-    tall = g.size(-2) > g.size(-1)
-    x = g.mT if tall else g
-    if g.ndim == 2:
-        norm = torch.linalg.vector_norm(x, dtype=torch.float32)
-        multiply_add = torch.addmm
-    else:
-        # one batch dimension, so that baddbmm runs the whole stack in one call
-        x = x.flatten(0, -3)
-        norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)
-        multiply_add = torch.baddbmm
-    x = (x / norm.clamp(min=eps)).to(compute_dtype)
-    for _ in range(steps):
-        gram = x @ x.mT
-        poly = multiply_add(gram, gram, gram, beta=b, alpha=c)
-        x = multiply_add(x, poly, x, beta=a)
-    if g.ndim > 3:
-        x = x.unflatten(0, g.shape[:-2])
-    return (x.mT if tall else x).to(g.dtype)
 
 
 def _local(t: Tensor) -> Tensor:
@@ -164,22 +125,50 @@ def _flat_cat(parts: list[Tensor], dtype: torch.dtype, device: torch.device) -> 
     return torch.cat([t.reshape(-1).to(dtype) for t in parts])
 
 
+def _same(rows: Tensor) -> Tensor:
+    return rows
+
+
 @dataclass
 class _Matrix:
     """One parameter's work in a step: its update direction `u` (this rank's rows, each whole) before
-    orthogonalization, and how this rank's part of the parameter is taken from those rows of the result."""
+    orthogonalization, with NorMuon its rows' second moments `v`, and how this rank's part of the parameter (and of
+    its row state) is taken from those rows of the result."""
 
     param: Tensor
     group: dict[str, Any]
     u: Tensor
-    take: Callable[[Tensor], Tensor] = lambda rows: rows
+    v: Tensor | None = None
+    """NorMuon's second moments [rows, 1] of `u`'s rows, in the same order; None without NorMuon."""
+    v_state: Tensor | None = None
+    """This rank's part of the parameter's row state, which the step overwrites."""
+    take: Callable[[Tensor], Tensor] = _same
     """From this rank's rows of the orthogonalized matrix, its part of the parameter (under tensor parallelism
     the rows hold every TP rank's part; see `_gather_tensor_parallel`)."""
+    take_v: Callable[[Tensor], Tensor] = _same
+    """From the new second moments of those rows, this rank's part of the row state."""
 
-    def orthogonalize(self, full_u: Tensor) -> Tensor:
-        """Newton–Schulz with this parameter's group settings, on the whole matrix."""
+    def direction(self, full_u: Tensor, full_v: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """The update direction of whole rows (a whole matrix, or whole experts) of `u` with their second moments
+        `full_v`: orthogonalized with the group's settings, then with NorMuon normalized per row; and the rows' new
+        second moments (None without NorMuon)."""
         g = self.group
-        return newton_schulz(full_u, g["ns_steps"], tuple(g["ns_coefficients"]), g["eps"])
+        # positional arguments: tests wrap these functions to count the matrices orthogonalized
+        if g["orthogonalizer"] == "polar_express":
+            ortho = polar_express(full_u, g["ns_steps"], g["eps"])
+        else:
+            ortho = newton_schulz(full_u, g["ns_steps"], tuple(g["ns_coefficients"]), g["eps"])
+        if full_v is None:
+            return ortho, None
+        return normalize_rows(ortho, full_v, g["normuon_beta2"], g["normuon_eps"])
+
+    def apply(self, ortho_rows: Tensor, v_rows: Tensor | None) -> None:
+        """Step this rank's part of the parameter with its rows of the update direction (and store its part of the
+        rows' new second moments)."""
+        if v_rows is not None:
+            assert self.v_state is not None
+            self.v_state.copy_(self.take_v(v_rows))
+        _apply_update(self, self.take(ortho_rows))
 
 
 class Muon(torch.optim.Optimizer):
@@ -202,6 +191,21 @@ class Muon(torch.optim.Optimizer):
     each expert's [A, B] slice of `u` is orthogonalized exactly once, on its own (its own Frobenius norm, transposed
     when tall), all E in one batched Newton–Schulz; `scale(A, B)` and the decay are as for one [A, B] matrix. The
     step equals E separate `torch.optim.Muon` instances, one per expert.
+
+    Variants, all off by default (and then the step is exactly the one above):
+
+    - `orthogonalizer="polar_express"`: Polar Express (arXiv:2505.16932) instead of the fixed quintic: a different
+      minimax-optimal quintic per iteration and the input divided by 1.01 times its Frobenius norm
+      (`lmforge.optim.polar.polar_express`); `ns_steps` iterations, `ns_coefficients` unused.
+    - `normuon=True`: NorMuon (arXiv:2510.05491). After orthogonalizing, each row r of O (an output neuron of the
+      [A, B] matrix; of each expert's matrix for a stack) keeps `v_r <- normuon_beta2 * v_r + (1 - normuon_beta2) *
+      mean_j O_rj^2` (state `row_second_moment`, [..., A, 1], no bias correction), O's rows are divided by
+      `sqrt(v_r) + normuon_eps` and the result is rescaled to O's Frobenius norm (`lmforge.optim.normuon`); `scale`
+      and the decay then apply as above. Sharded matrices carry their rows' `v` to the owner and back in the same
+      two exchanges (one more value per row), and the state is a DTensor sharded like the parameter's rows.
+    - `cautious_weight_decay=True`: Cautious Weight Decay (arXiv:2510.12402): the decay applies only where the
+      update and the parameter agree in sign, `p <- p - lr * weight_decay * p * [O * p >= 0]` elementwise (O the
+      final update direction, after NorMuon when on), before the step.
 
     All constructor arguments are group hyperparameters; a param group may override any of them.
 
@@ -247,6 +251,11 @@ class Muon(torch.optim.Optimizer):
         ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
         eps: float = 1e-7,
         adjust_lr: str = "spectral",
+        orthogonalizer: str = "newton_schulz",
+        normuon: bool = False,
+        normuon_beta2: float = 0.95,
+        normuon_eps: float = 1e-10,
+        cautious_weight_decay: bool = False,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -257,10 +266,22 @@ class Muon(torch.optim.Optimizer):
             "ns_coefficients": tuple(ns_coefficients),
             "eps": eps,
             "adjust_lr": adjust_lr,
+            "orthogonalizer": orthogonalizer,
+            "normuon": normuon,
+            "normuon_beta2": normuon_beta2,
+            "normuon_eps": normuon_eps,
+            "cautious_weight_decay": cautious_weight_decay,
         }
         super().__init__(params, defaults)
         self._tables: dict[dist.ProcessGroup, list[list[int]]] = {}
         """Each process group's row table (`_row_table`), kept between steps."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore as torch does; groups saved before the variant options existed get them off."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in _VARIANTS_OFF.items():
+                group.setdefault(key, value)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group as torch does, then check its hyperparameters and that every parameter is a 2-D matrix or a
@@ -290,7 +311,7 @@ class Muon(torch.optim.Optimizer):
                 work = None
                 if tp is not None and p.grad is not None:
                     # its direction is needed before the TP gather below; the others' as they are stepped
-                    work = _Matrix(p, group, self._momentum_direction(p, group))
+                    work = self._work(p, group)
                     split.setdefault(tp[0], []).append((work, tp[1]))
                 if pg is not None:
                     # every sharded param is listed, grad or not, so that all ranks agree on the matrix order
@@ -298,15 +319,27 @@ class Muon(torch.optim.Optimizer):
                 elif work is not None:
                     gathered.append(work)
                 elif p.grad is not None:
-                    work = _Matrix(p, group, self._momentum_direction(p, group))
-                    _apply_update(work, work.orthogonalize(work.u))
+                    work = self._work(p, group)
+                    work.apply(*work.direction(work.u, work.v))
         for tp_group, works in split.items():
             _gather_tensor_parallel(tp_group, works)
         for work in gathered:
-            _apply_update(work, work.take(work.orthogonalize(work.u)))
+            work.apply(*work.direction(work.u, work.v))
         for pg, params in sharded.items():
             self._step_sharded(pg, params)
         return loss
+
+    def _work(self, p: Tensor, group: dict[str, Any]) -> _Matrix:
+        """The step's work on `p`: its momentum direction and, with NorMuon, its row state (made at the first
+        step: zeros [..., A, 1], a DTensor sharded like `p`'s rows for a DTensor `p`)."""
+        u = self._momentum_direction(p, group)
+        if not group["normuon"]:
+            return _Matrix(p, group, u)
+        state = self.state[p]
+        if ROW_MOMENT not in state:
+            state[ROW_MOMENT] = _row_state_like(p)
+        v = _local(state[ROW_MOMENT])
+        return _Matrix(p, group, u, v=v, v_state=v)
 
     def _momentum_direction(self, p: Tensor, group: dict[str, Any]) -> Tensor:
         """Update the momentum buffer and return the direction `u` to orthogonalize, both as this rank's rows (of a
@@ -360,40 +393,59 @@ class Muon(torch.optim.Optimizer):
             keep.append(j)
         if not keep:
             return
-        work = [params[j][2] or _Matrix(params[j][0], params[j][1], self._momentum_direction(*params[j][:2]))
-                for j in keep]  # fmt: skip
+        work = [params[j][2] or self._work(*params[j][:2]) for j in keep]
         rows = [[rows_by_rank[r][j] for j in keep] for r in range(world)]  # [rank][matrix]
         cols = [w.u.shape[1] for w in work]
+        # NorMuon's row state travels with its rows, as one more value per row after the matrix's block of u
+        width = [c + (w.v is not None) for c, w in zip(cols, work, strict=True)]
         dtype = work[0].u.dtype
         for w in work:
             dtype = torch.promote_types(dtype, w.u.dtype)
+            if w.v is not None:
+                dtype = torch.promote_types(dtype, w.v.dtype)
 
         n = len(work)
         owned_by = [[i for i in range(n) if i % world == r] for r in range(world)]
         mine = owned_by[rank]
 
-        # exchange 1: each rank sends its rows of u to each matrix's owner; sizes are known everywhere from the row
-        # table, so all_to_all_single needs no padding
-        send_splits = [sum(rows[rank][i] * cols[i] for i in owned_by[d]) for d in range(world)]
-        recv_splits = [sum(rows[s][i] * cols[i] for i in mine) for s in range(world)]
-        send = _flat_cat([work[i].u for d in range(world) for i in owned_by[d]], dtype, device)
+        # exchange 1: each rank sends its rows of u (and v) to each matrix's owner; sizes are known everywhere from
+        # the row table, so all_to_all_single needs no padding
+        send_splits = [sum(rows[rank][i] * width[i] for i in owned_by[d]) for d in range(world)]
+        recv_splits = [sum(rows[s][i] * width[i] for i in mine) for s in range(world)]
+        send = _flat_cat(
+            [t for d in range(world) for i in owned_by[d] for t in (work[i].u, work[i].v) if t is not None],
+            dtype,
+            device,
+        )
         for w in work:
-            w.u = None  # type: ignore[assignment]  # the send buffer holds it now; frees nesterov's temporary
+            w.u, w.v = None, None  # type: ignore[assignment]  # the send buffer holds them; frees nesterov's temporary
         recv = send.new_empty(sum(recv_splits))
         dist.all_to_all_single(recv, send, recv_splits, send_splits, group=pg)
         del send
 
-        pieces: dict[int, list[Tensor]] = {i: [] for i in mine}
+        pieces: dict[int, list[tuple[Tensor, Tensor | None]]] = {i: [] for i in mine}
         for s, from_s in enumerate(recv.split(recv_splits)):
-            for i, flat in zip(mine, from_s.split([rows[s][i] * cols[i] for i in mine]), strict=True):
-                pieces[i].append(flat.view(rows[s][i], cols[i]))
-        ortho = {i: work[i].orthogonalize(torch.cat(pieces[i])).to(dtype) for i in mine}
+            for i, flat in zip(mine, from_s.split([rows[s][i] * width[i] for i in mine]), strict=True):
+                pieces[i].append(_rows_of(flat, rows[s][i], cols[i], width[i]))
+        ortho: dict[int, tuple[Tensor, Tensor | None]] = {}
+        for i in mine:
+            full_v = torch.cat([v for _, v in pieces[i]]) if width[i] > cols[i] else None  # type: ignore[misc]
+            o, v = work[i].direction(torch.cat([u for u, _ in pieces[i]]), full_v)
+            ortho[i] = (o.to(dtype), None if v is None else v.to(dtype))
         del pieces, recv
 
-        # exchange 2: the owner sends each rank its rows of the orthogonalized matrix
+        # exchange 2: the owner sends each rank its rows of the orthogonalized matrix (and their new v)
         first_row = [[sum(rows[r][i] for r in range(d)) for i in range(n)] for d in range(world)]
         back = _flat_cat(
-            [ortho[i].narrow(0, first_row[d][i], rows[d][i]) for d in range(world) for i in mine], dtype, device
+            [
+                t.narrow(0, first_row[d][i], rows[d][i])
+                for d in range(world)
+                for i in mine
+                for t in ortho[i]
+                if t is not None
+            ],
+            dtype,
+            device,
         )
         del ortho
         received = back.new_empty(sum(send_splits))
@@ -401,8 +453,18 @@ class Muon(torch.optim.Optimizer):
         del back
 
         for d, from_d in enumerate(received.split(send_splits)):
-            for i, flat in zip(owned_by[d], from_d.split([rows[rank][i] * cols[i] for i in owned_by[d]]), strict=True):
-                _apply_update(work[i], work[i].take(flat.view(rows[rank][i], cols[i])))
+            sizes = [rows[rank][i] * width[i] for i in owned_by[d]]
+            for i, flat in zip(owned_by[d], from_d.split(sizes), strict=True):
+                work[i].apply(*_rows_of(flat, rows[rank][i], cols[i], width[i]))
+
+
+def _rows_of(flat: Tensor, rows: int, cols: int, width: int) -> tuple[Tensor, Tensor | None]:
+    """One matrix's block of an exchange buffer: its rows [rows, cols], then (when `width` > `cols`) their row
+    state [rows, 1]."""
+    if width == cols:
+        return flat.view(rows, cols), None
+    u, v = flat.split([rows * cols, rows])
+    return u.view(rows, cols), v.view(rows, 1)
 
 
 def _gather_tensor_parallel(group: dist.ProcessGroup, works: list[tuple[_Matrix, int]]) -> None:
@@ -412,33 +474,63 @@ def _gather_tensor_parallel(group: dist.ProcessGroup, works: list[tuple[_Matrix,
     gathered rows stand does not matter, only that the owner puts them back the same way."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     mats = [w for w, _ in works]
+    # a row split spreads the rows' NorMuon state too; under a column split every TP rank holds all of it already
+    moves_v = [w.v is not None and dim == 0 for w, dim in works]
     dtype = mats[0].u.dtype
-    for w in mats:
+    for w, with_v in zip(mats, moves_v, strict=True):
         dtype = torch.promote_types(dtype, w.u.dtype)
-    flat = _flat_cat([w.u for w in mats], dtype, mats[0].u.device)
+        if with_v:
+            dtype = torch.promote_types(dtype, w.v.dtype)  # type: ignore[union-attr]
+    sent = [[w.u, w.v] if with_v else [w.u] for w, with_v in zip(mats, moves_v, strict=True)]
+    flat = _flat_cat([t for ts in sent for t in ts], dtype, mats[0].u.device)
     gathered = flat.new_empty(size * flat.numel())
     dist.all_gather_into_tensor(gathered, flat, group=group)
-    parts = gathered.view(size, -1).split([w.u.numel() for w in mats], dim=1)
-    for (w, dim), part in zip(works, parts, strict=True):
+    parts = gathered.view(size, -1).split([sum(t.numel() for t in ts) for ts in sent], dim=1)
+    for (w, dim), with_v, part in zip(works, moves_v, parts, strict=True):
         r, c = w.u.shape
-        whole = part.reshape(size, r, c)
-        if dim == 0:  # rows split: this rank's rows, then the others' below them
+        whole = part[:, : r * c].reshape(size, r, c)
+        if dim == 0:  # rows split: rank 0's rows, then rank 1's, and so on
             w.u = whole.reshape(size * r, c)
             w.take = lambda o, r=r: o.narrow(0, rank * r, r)
+            if with_v:
+                w.v = part[:, r * c :].reshape(size * r, 1)
+                w.take_v = lambda v, r=r: v.narrow(0, rank * r, r)
         else:  # columns split: the ranks' columns side by side
             w.u = whole.permute(1, 0, 2).reshape(r, size * c)
             w.take = lambda o, c=c: o.narrow(1, rank * c, c)
 
 
 def _apply_update(work: _Matrix, ortho_rows: Tensor) -> None:
-    """Decoupled weight decay, then the scaled orthogonalized step, on this rank's rows of the parameter."""
+    """Decoupled weight decay (cautious or not), then the scaled orthogonalized step, on this rank's rows of the
+    parameter."""
     group = work.group
     lr = float(group["lr"])
     rows, cols = work.param.shape[-2:]  # for an expert stack, each expert's shape
     p = _local(work.param)
     if group["weight_decay"]:
-        p.mul_(1 - lr * group["weight_decay"])
+        if group["cautious_weight_decay"]:
+            # decay only where it pulls the same way as the update (u * p >= 0); the update is a positive multiple
+            # of ortho_rows, and signs rather than the product avoid an underflow to 0 deciding the mask
+            agree = torch.sign(ortho_rows).mul_(torch.sign(p)) >= 0
+            p.sub_(torch.where(agree, p, 0), alpha=lr * group["weight_decay"])
+        else:
+            p.mul_(1 - lr * group["weight_decay"])
     p.add_(ortho_rows, alpha=-lr * ADJUST_LR[group["adjust_lr"]](rows, cols))
+
+
+def _row_state_like(p: Tensor) -> Tensor:
+    """Zeros [..., A, 1] for a parameter [..., A, B], in its dtype and on its device; for a DTensor, a DTensor on the
+    same mesh whose rows are split as the parameter's (a split of the columns becomes a replication), so that each
+    rank holds its own rows' state and checkpoints save and reload it like the momentum buffer."""
+    local = _local(p)
+    zeros = torch.zeros((*local.shape[:-1], 1), dtype=local.dtype, device=local.device)
+    if DTensor is None or not isinstance(p, DTensor):
+        return zeros
+    last = p.ndim - 1
+    placements = [Replicate() if pl.is_shard(last) else pl for pl in p.placements]
+    shape = torch.Size((*p.shape[:-1], 1))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(zeros, p.device_mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def _check_group(group: dict[str, Any]) -> None:
@@ -463,3 +555,21 @@ def _check_group(group: dict[str, Any]) -> None:
         raise ValueError(f"Muon: eps must be > 0, got {group['eps']}")
     if group["adjust_lr"] not in ADJUST_LR:
         raise ValueError(f"Muon: adjust_lr must be one of {sorted(ADJUST_LR)}, got {group['adjust_lr']!r}")
+    if group["orthogonalizer"] not in ORTHOGONALIZERS:
+        raise ValueError(
+            f"Muon: orthogonalizer must be one of {list(ORTHOGONALIZERS)}, got {group['orthogonalizer']!r}"
+        )
+    if not 0 <= group["normuon_beta2"] < 1:
+        raise ValueError(f"Muon: normuon_beta2 must be in [0, 1), got {group['normuon_beta2']}")
+    if not group["normuon_eps"] > 0:
+        raise ValueError(f"Muon: normuon_eps must be > 0, got {group['normuon_eps']}")
+
+
+_VARIANTS_OFF: dict[str, Any] = {
+    "orthogonalizer": "newton_schulz",
+    "normuon": False,
+    "normuon_beta2": 0.95,
+    "normuon_eps": 1e-10,
+    "cautious_weight_decay": False,
+}
+"""The variant options' defaults (all off), for groups of state dicts saved before the options existed."""

@@ -153,6 +153,10 @@ def build_optimizer(
                 ns_steps=cfg.ns_steps,
                 ns_coefficients=cfg.ns_coefficients,
                 adjust_lr=cfg.adjust_lr,
+                orthogonalizer=cfg.orthogonalizer,
+                normuon=cfg.normuon,
+                normuon_beta2=cfg.normuon_beta2,
+                cautious_weight_decay=cfg.cautious_weight_decay,
             )
         )
     if adamw_groups:
