@@ -124,6 +124,7 @@ def test_a_rank_keeps_only_its_stages_under_their_full_names() -> None:
             tiny_llama(num_hidden_layers=4, tie_word_embeddings=True),
             r"model.arch.tie_word_embeddings .*different stages",
         ),
+        (["--parallel.pp", "2", "--model.z_loss", "1e-4"], None, r"model.z_loss .*does not run under parallel.pp"),
         (["--parallel.pp_layers", "[2, 2]"], None, r"parallel.pp_layers .*is set but parallel.pp is 1"),
         (
             ["--parallel.pp", "2", "--parallel.pp_schedule", "zbv", "--model.ac.mode", "selective"],

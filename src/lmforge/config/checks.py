@@ -210,6 +210,9 @@ def pipeline_problems(config: TrainConfig, world_size: int) -> list[tuple[str, s
          "different stages; untie them"),
         (bool(getattr(arch, "num_nextn_predict_layers", 0)), "model.arch.num_nextn_predict_layers", "set: multi-token "
          "prediction does not run under parallel.pp yet"),
+        # The last stage computes its loss outside the model's forward, which is where the z term is added.
+        (config.model.z_loss > 0, "model.z_loss", f"{config.model.z_loss}: the z-loss does not run under parallel.pp "
+         "yet"),
     ]  # fmt: skip
     problems += [(name, msg) for bad, name, msg in refused if bad]
     return problems

@@ -112,6 +112,12 @@ class ModelConfig(Section):
     (`num_nextn_predict_layers` D > 0): the objective adds lambda / D x the sum over depths of each depth's mean
     loss (DeepSeek-V3: 0.3, later 0.1); 0 leaves the modules untrained. Logged as `loss/mtp/<k>`."""
 
+    z_loss: float = Field(default=0.0, ge=0)
+    """Coefficient of the auxiliary z-loss (PaLM, arXiv:2204.02311): the objective adds z_loss x the mean over the
+    loss tokens of log(Z)^2, Z the softmax normalizer of the token's logits, which keeps the logits from drifting
+    (PaLM: 1e-4). `loss/mean` stays the pure cross-entropy; the mean log(Z)^2 is logged as `loss/z`. 0: off.
+    Not yet under pipeline parallelism (docs/training.md#auxiliary-z-loss-modelz_loss)."""
+
     rope_scaling: RopeScaling | None = None
     """With `name`: extend the pretrained model's context by this RoPE scaling (docs/model.md#rope-scaling). It
     replaces the folder's scaling, and max_position_embeddings becomes the folder's x `factor`; the weights are

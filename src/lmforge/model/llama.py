@@ -19,7 +19,7 @@ from lmforge.config.arch_deepseek import DeepseekV3Arch
 from lmforge.model.attention import AttentionFn, DocumentMask, get_attention, prepare_mask
 from lmforge.model.aux_loss import with_aux_gradient
 from lmforge.model.hyper_connections import HyperConnection, collapse_stream, expand_stream, stream_rate
-from lmforge.model.loss import IGNORE_INDEX, head_cross_entropy, head_token_losses
+from lmforge.model.loss import IGNORE_INDEX, head_cross_entropy, head_losses, head_token_losses
 from lmforge.model.mla import MLAttention
 from lmforge.model.mlp import MLP
 from lmforge.model.moe import MoE
@@ -208,8 +208,16 @@ def head_position_losses(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_
 def head_loss(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int) -> Tensor:
     """The fp32 sum of the token cross-entropies of the final hidden states [T, hidden] against targets [T]
     (IGNORE_INDEX where there is no loss), through the LM head `weight`, `chunk_tokens` at a time (0: at once)."""
+    return head_loss_and_z(hidden, weight, targets, chunk_tokens)[0]
+
+
+def head_loss_and_z(
+    hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int, z_loss: float = 0.0
+) -> tuple[Tensor, Tensor | None]:
+    """`head_loss`, whose gradient with `z_loss` > 0 is that of the cross-entropy + z_loss x the sum of lse^2 over
+    the loss tokens, and that sum (detached; None when `z_loss` is 0) (`lmforge.model.loss.head_losses`)."""
     h, weight, shard = head_inputs(hidden, weight)
-    return head_cross_entropy(h, weight, targets, chunk_tokens, shard)
+    return head_losses(h, weight, targets, chunk_tokens, shard, z_loss)
 
 
 class DecoderModel(nn.Module):
@@ -308,6 +316,12 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, vocab_size, bias=False)
         # With targets, the LM head and loss run this many tokens at a time (0: all logits at once).
         self.loss_chunk_tokens = 0
+        self.z_loss = 0.0
+        """Coefficient of the z-loss (`model.z_loss`, set by the trainer; 0: none): a training forward's loss then
+        has the gradient of CE + z_loss x the sum of lse^2 over its loss tokens, its value staying the CE."""
+        self.z_sum: Tensor | None = None
+        """While z_loss > 0, the last training forward's sum of lse^2 over the main head's loss tokens (fp32,
+        detached, on the device), for the step's statistics (`lmforge.train.micro_batches`)."""
         depths = len(self.model.mtp_layers)
         # Multi-token prediction (`lmforge.model.mtp`): each depth's loss gradient, set per step by the trainer,
         # and the step's summed losses and targets per depth, read once per step.
@@ -385,13 +399,16 @@ class CausalLM(nn.Module):
             return logits.full_tensor() if isinstance(logits, DTensor) else logits
         if per_token:
             return head_position_losses(hidden, self.lm_head.weight, targets[0], self.loss_chunk_tokens)
-        loss = head_loss(hidden, self.lm_head.weight, targets[0], self.loss_chunk_tokens)
+        z_loss = self.z_loss if self.training else 0.0
+        loss, self.z_sum = head_loss_and_z(hidden, self.lm_head.weight, targets[0], self.loss_chunk_tokens, z_loss)
         if not self.training or not len(self.model.mtp_layers):
             return loss
-        # Multi-token prediction trains through its gradient alone: the returned loss stays the main model's.
+        # Multi-token prediction trains through its gradient alone: the returned loss stays the main model's. Each
+        # depth's head has the z-loss too, scaled like that depth's cross-entropy.
         depths = self.model.mtp_hidden(hidden, input_ids[0], targets[0], cos, sin, mask)
         weight = self.lm_head.weight
-        sums = torch.stack([head_cross_entropy(d, weight, t, self.loss_chunk_tokens) for d, t in depths])
+        chunk = self.loss_chunk_tokens
+        sums = torch.stack([head_cross_entropy(d, weight, t, chunk, z_loss=z_loss) for d, t in depths])
         with torch.no_grad():
             self.mtp_loss_sum.add_(sums.detach())
             self.mtp_tokens.add_(torch.stack([(t != IGNORE_INDEX).sum() for _, t in depths]).float())

@@ -5,6 +5,10 @@ loss tokens, is known before the first backward (summed on the device over this 
 all-reduce), so each micro-batch backpropagates `sum of its token losses / global count` and the accumulated
 gradient is exactly that of the mean. Nothing in the loop reads a device value on the host: statistics stay on
 the device until the step's single reduction.
+
+With a z-loss (`model.z_loss` > 0) the model's loss carries the gradient of CE + z_loss x sum of lse^2 and keeps
+the value of the CE; the loop collects each micro-batch's sum of lse^2 (`CausalLM.z_sum`) beside its CE sum, and a
+micro-batch is finite only when both are.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from lmforge.data.batch import MicroBatch, null_micro_batch
+from lmforge.model.llama import CausalLM
 from lmforge.model.loss import IGNORE_INDEX
 from lmforge.parallel.pipeline import Pipeline
 from lmforge.parallel.stages import PipeShard
@@ -37,6 +42,8 @@ class MicroBatchStats:
     """Micro-batches whose loss was not finite."""
     finite: Tensor
     """bool [micro-batches]: which micro-batches had a finite loss."""
+    z_sum: Tensor | None = None
+    """With a z-loss: fp64 sum of lse^2 over the loss tokens of the finite micro-batches; None without."""
 
 
 def token_loss_sum(model: nn.Module, mb: MicroBatch) -> Tensor:
@@ -80,31 +87,45 @@ def run_micro_batches(
     n = len(micro_batches)
     on_device = [mb.to(device, non_blocking=True) for mb in micro_batches]  # token tensors are small; copies overlap
     denom = global_loss_tokens(on_device, counted)
-    ce_sums = []
+    with_z = model if isinstance(model, CausalLM) and model.z_loss > 0 and model.training else None
+    ce_sums, z_sums = [], []
     for i, mb in enumerate(on_device):
         if defer_grad_sync:
             _set_sync(model, i == n - 1)
         ce_sum = token_loss_sum(model, mb)
         (ce_sum / denom).backward()
         ce_sums.append(ce_sum.detach())
+        if with_z is not None:
+            assert with_z.z_sum is not None, "a training forward with z_loss > 0 sets z_sum"
+            z_sums.append(with_z.z_sum)
     if defer_grad_sync:
         _set_sync(model, True)
-    return step_stats(ce_sums, on_device, device, counted)
+    return step_stats(ce_sums, on_device, device, counted, z_sums if with_z is not None else None)
 
 
 def step_stats(
-    ce_sums: Sequence[Tensor], micro_batches: Sequence[MicroBatch], device: torch.device, counted: bool = True
+    ce_sums: Sequence[Tensor],
+    micro_batches: Sequence[MicroBatch],
+    device: torch.device,
+    counted: bool = True,
+    z_sums: Sequence[Tensor] | None = None,
 ) -> MicroBatchStats:
-    """The statistics of a step from each micro-batch's summed token loss. Where `counted` is False (a rank whose
-    tokens another rank counts) the sums are zero but the finite flags still this rank's; a pipeline rank without
-    the loss passes no sums and gets every micro-batch finite (see `agreed_finite`)."""
+    """The statistics of a step from each micro-batch's summed token loss (and with a z-loss its summed lse^2,
+    `z_sums`). Where `counted` is False (a rank whose tokens another rank counts) the sums are zero but the finite
+    flags still this rank's; a pipeline rank without the loss passes no sums and gets every micro-batch finite (see
+    `agreed_finite`)."""
     zero = torch.zeros((), device=device)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    z_sum = loss_sum.clone() if z_sums is not None else None
     loss_tokens, tokens, nan_count = zero.clone(), zero.clone(), zero.clone()
     finite_flags = torch.ones(len(micro_batches), dtype=torch.bool, device=device)
     with torch.no_grad():
         for i, (ce_sum, mb) in enumerate(zip(ce_sums, micro_batches, strict=True) if ce_sums else ()):
             finite = torch.isfinite(ce_sum)
+            if z_sum is not None and z_sums is not None:
+                # The z term is part of what the micro-batch trains on: a non-finite one skips it as a whole too.
+                finite = finite & torch.isfinite(z_sums[i])
+                z_sum += torch.where(finite, z_sums[i].double(), 0.0)
             finite_flags[i] = finite
             loss_sum += torch.where(finite, ce_sum.double(), 0.0)
             loss_tokens += torch.where(finite, mb.loss_mask.sum().float(), 0.0)
@@ -113,7 +134,8 @@ def step_stats(
     if not counted:
         zeroed = (torch.zeros_like(t) for t in (loss_sum, loss_tokens, tokens, nan_count))
         loss_sum, loss_tokens, tokens, nan_count = zeroed
-    return MicroBatchStats(loss_sum, loss_tokens, tokens, nan_count, finite_flags)
+        z_sum = None if z_sum is None else torch.zeros_like(z_sum)
+    return MicroBatchStats(loss_sum, loss_tokens, tokens, nan_count, finite_flags, z_sum)
 
 
 def run_pipelined(

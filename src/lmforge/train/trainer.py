@@ -139,6 +139,7 @@ class Trainer:
             self.model, self.pipeline = build_pipelined_model(config, self.tokenizer, ctx)
         else:
             self.model = build_run_model(config, self.tokenizer, ctx)
+        self.model.z_loss = config.model.z_loss
         arch = config.model.arch
         assert arch is not None, "model.arch is filled in from model.name when the config is loaded"
         init = config.model.init
@@ -308,6 +309,8 @@ class Trainer:
             "peak_memory": memory,
             **self._grad_squares(),
         }
+        if stats.z_sum is not None:
+            sums["z_sum"] = stats.z_sum
         pp = self.ctx.pp
         if pp.size > 1:  # each pipeline rank's stages: their ranks' peak memory, summed over those ranks
             sums["stage_memory"] = torch.nn.functional.one_hot(torch.tensor(pp.rank), pp.size).to(device) * memory
@@ -331,9 +334,14 @@ class Trainer:
         if "stage_memory" in sums:
             per_rank = world // self.ctx.pp.size
             stages = {f"perf/peak_memory/pp{r}": float(m) / per_rank for r, m in enumerate(sums["stage_memory"])}
+        z = {}
+        if "z_sum" in sums:
+            # The mean lse^2 over loss/mean's tokens: the objective is loss/mean + model.z_loss x loss/z.
+            z["loss/z"] = sums["z_sum"] / sums["loss_tokens"] if sums["loss_tokens"] else math.nan
         return {
             **stages,
             "loss/mean": loss,
+            **z,
             "loss/perplexity": perplexity(loss) if math.isfinite(loss) else math.nan,
             "loss/nan_count": sums["nan_count"],
             "loss/tokens": sums["loss_tokens"],
