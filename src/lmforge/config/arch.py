@@ -11,19 +11,36 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from lmforge.config.arch_base import ArchBase, LayerType, MoESpec, check_layer_types
+from lmforge.config.arch_base import ArchBase, LayerType, MlpAct, MoESpec, check_layer_types
 from lmforge.config.arch_deepseek import DeepseekV3Arch
 from lmforge.config.arch_glm import Glm4MoeArch
 
 
-class LlamaArch(ArchBase):
+class DenseArch(ArchBase):
+    """A dense family whose HF config applies `hidden_act` to every MLP (Llama, Qwen3): the one place the MLP
+    activation is a field. The MoE families have none: their experts' gated activations are fixed by the family
+    (`MoESpec.expert_glu`) and transformers applies their `hidden_act` to the experts as well."""
+
+    hidden_act: MlpAct = "silu"
+    """Activation on the gate half of every MLP: `silu` gives SwiGLU, down(silu(gate(x)) x up(x)); `relu2` gives
+    down(relu(gate(x))^2 x up(x)), ReLU squared as in Primer (So et al., "Primer: Searching for Efficient
+    Transformers for Language Modeling", arXiv 2109.08668). Exported as config.json's `hidden_act`, which
+    transformers' LlamaForCausalLM / Qwen3ForCausalLM compute alike."""
+
+    @property
+    def mlp_act(self) -> MlpAct:
+        """hidden_act."""
+        return self.hidden_act
+
+
+class LlamaArch(DenseArch):
     """A Llama decoder (`LlamaForCausalLM`)."""
 
     model_type: Literal["llama"] = "llama"
     """Architecture family: a Llama decoder."""
 
 
-class Qwen3Arch(ArchBase):
+class Qwen3Arch(DenseArch):
     """A Qwen3 decoder (`Qwen3ForCausalLM`): Llama plus per-head RMSNorm on queries and keys."""
 
     model_type: Literal["qwen3"] = "qwen3"

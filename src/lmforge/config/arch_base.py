@@ -13,6 +13,10 @@ from lmforge.config.rope import RopeScaling, split_rope_parameters
 LayerType = Literal["full_attention", "sliding_attention"]
 """The attention of one decoder block, as transformers' `layer_types` name it."""
 
+MlpAct = Literal["silu", "relu2"]
+"""The activation on the gate half of a dense gated MLP, as transformers' `hidden_act` names it: `silu` (SwiGLU)
+or `relu2` (ReLU squared)."""
+
 
 @dataclass(frozen=True)
 class MoESpec:
@@ -74,7 +78,7 @@ class ArchBase(BaseModel):
     """Width of the residual stream."""
 
     intermediate_size: int = Field(gt=0)
-    """Hidden width of the SwiGLU MLP."""
+    """Hidden width of the gated MLP (SwiGLU unless the family's `hidden_act` says otherwise)."""
 
     num_hidden_layers: int = Field(gt=0)
     """Number of decoder blocks."""
@@ -157,6 +161,11 @@ class ArchBase(BaseModel):
     def o_proj_bias(self) -> bool:
         """Whether the attention output projection has a bias."""
         return self.attention_bias
+
+    @property
+    def mlp_act(self) -> MlpAct:
+        """The activation of the dense MLP's gate half: silu (SwiGLU) unless a family has a `hidden_act` field."""
+        return "silu"
 
     @property
     def moe(self) -> MoESpec | None:

@@ -4,7 +4,8 @@ or gpt-oss model.
 `arch_to_hf_config` writes the keys `transformers` itself saves for `LlamaConfig` / `Qwen3Config` / `Glm4MoeConfig` /
 `Qwen3MoeConfig` / `GptOssConfig`, with the RoPE base (and GLM's partial rotary factor, and any RoPE scaling) both in
 `rope_parameters` (read by transformers 5) and at the top level (`rope_theta`, `rope_scaling`: read by transformers 4).
-`read_hf_config` accepts only what the lmforge decoder computes exactly: SiLU MLPs without bias, RoPE plain or scaled
+`read_hf_config` accepts only what the lmforge decoder computes exactly: MLPs without bias, SiLU-gated (for Llama and
+Qwen3 also ReLU-squared-gated, `hidden_act = "relu2"`), RoPE plain or scaled
 (`linear`, `llama3`, `yarn`; partial for GLM-4.5), full or sliding-window attention per layer, and, for Qwen3-MoE, an
 MoE block in every layer; gpt-oss's weights unquantized (not MXFP4). Anything else fails with the file and field at
 fault.
@@ -15,11 +16,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import ValidationError
 
-from lmforge.config.arch import AnyArch, DeepseekV3Arch, Glm4MoeArch, GptOssArch, LlamaArch, Qwen3Arch, Qwen3MoeArch
+from lmforge.config.arch import (
+    AnyArch,
+    DeepseekV3Arch,
+    DenseArch,
+    Glm4MoeArch,
+    GptOssArch,
+    LlamaArch,
+    Qwen3Arch,
+    Qwen3MoeArch,
+)
+from lmforge.config.arch_base import MlpAct
 from lmforge.config.rope import rope_fields_of
 
 CONFIG_NAME = "config.json"
@@ -184,7 +195,7 @@ def arch_to_hf_config(
         "tie_word_embeddings": arch.tie_word_embeddings,
         "attention_bias": arch.attention_bias,
         "attention_dropout": 0.0,
-        "hidden_act": "silu",
+        "hidden_act": arch.mlp_act,
         "initializer_range": init_std,
         "use_cache": True,
         "bos_token_id": bos_id,
@@ -299,6 +310,8 @@ def read_hf_config(folder: Path) -> HFModelInfo:
     fields["tie_word_embeddings"] = raw.get("tie_word_embeddings", False)
     fields["attention_bias"] = raw.get("attention_bias", _ATTENTION_BIAS_DEFAULT.get(model_type, False))
     fields.update(_moe_fields(raw, model_type))
+    if issubclass(_ARCH_CLASSES[model_type], DenseArch):
+        fields["hidden_act"] = raw.get("hidden_act", "silu")
     if model_type == "deepseek_v3":
         fields["num_nextn_predict_layers"] = _mtp_layers_stored(folder, raw)
     try:
@@ -394,8 +407,13 @@ def _check_supported(raw: dict[str, Any], path: Path) -> None:
     """Reject the features the lmforge decoder does not compute, naming the field."""
     glm = raw["model_type"] in _GLM_TYPES
     act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise HFModelError(f"{path}: hidden_act {act!r} is not supported; lmforge MLPs use silu (SwiGLU)")
+    dense = issubclass(_ARCH_CLASSES[raw["model_type"]], DenseArch)
+    acts: tuple[str, ...] = get_args(MlpAct) if dense else ("silu",)
+    if act not in acts:
+        raise HFModelError(
+            f"{path}: hidden_act {act!r} is not supported for model_type {raw['model_type']!r}; lmforge's MLPs "
+            f"compute {' or '.join(repr(a) for a in acts)}"
+        )
     if raw.get("mlp_bias"):
         raise HFModelError(f"{path}: mlp_bias true is not supported; lmforge MLPs have no bias")
     for key in ("rope_scaling", "rope_parameters"):

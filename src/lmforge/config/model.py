@@ -35,6 +35,13 @@ class InitConfig(Section):
     """CompleteP base depth: the num_hidden_layers the hyperparameters were tuned at (depth multiplier =
     num_hidden_layers / base_num_layers). Required with scheme = "completep"."""
 
+    zero_out_proj: bool = False
+    """Start the last matrix of every residual branch at zero: attention's `o_proj`, the dense MLP's and the MoE
+    shared experts' `down_proj`, the routed experts' `down_proj` (LatentMoE: `latent_up_proj` instead), so that every
+    block starts as the identity map (Fixup's zero-init of the last layer of each residual branch, Zhang et al.,
+    arXiv 1901.09321; Goyal et al., arXiv 1706.02677, zero the last norm scale of each branch). Every other parameter
+    gets the values it gets without it. From-scratch init only: a model loaded from `model.name` keeps its weights."""
+
     @model_validator(mode="after")
     def _base_shape(self) -> InitConfig:
         if self.scheme == "completep" and (self.base_hidden_size is None or self.base_num_layers is None):

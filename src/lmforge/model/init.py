@@ -19,6 +19,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from lmforge.model.roles import param_role
+
 ROWS_PER_BLOCK = 64
 """Rows drawn from one generator: small enough that a shard boundary wastes little, large enough to be fast."""
 
@@ -55,6 +57,25 @@ def declared_init_rules(model: nn.Module) -> dict[str, str]:
         for local, rule in getattr(module, "init_rules", {}).items():
             rules[f"{prefix}.{local}" if prefix else local] = rule
     return rules
+
+
+def output_projections(model: nn.Module) -> list[str]:
+    """The parameters that are the last matrix of a residual branch, the ones `zero_out_proj` starts at zero:
+    attention's `o_proj`, the dense MLP's and the shared experts' `down_proj` (role `residual_out`), and the routed
+    experts' `down_proj` stack (`expert_out`). In a LatentMoE block the routed experts' branch ends in
+    `latent_up_proj` (also `residual_out`) instead, and their `down_proj` keeps its normal init: with both at zero
+    each would get a zero gradient from the other and neither could ever move."""
+    names = dict(model.named_parameters())
+    chosen = []
+    for name, param in names.items():
+        role = param_role(name, param.ndim)
+        if role == "expert_out":
+            block = name.rpartition(".experts.")[0]
+            if f"{block}.latent_up_proj.weight" in names:
+                continue
+        if role in ("residual_out", "expert_out"):
+            chosen.append(name)
+    return chosen
 
 
 def local_block(param: Tensor) -> tuple[Tensor, tuple[int, ...]]:
@@ -125,13 +146,18 @@ def init_weights(
     seed: int,
     truncate: bool = False,
     std_scales: dict[str, float] | None = None,
+    zero_out_proj: bool = False,
 ) -> None:
     """Initialize every parameter, plain or FSDP2-sharded, in place: N(0, std x std_scale(name)) for matrices,
     stacked expert matrices and embeddings (truncated at 3 std if asked; `std_scales` multiplies a parameter's std,
     e.g. for CompleteP), 1 for norm scales, 0 for biases, a module's declared value for its `declared` parameters;
     only this rank's rows are drawn (an expert stack's rows are its experts, each drawn on its own: `expert_rows`).
+    With `zero_out_proj` the residual branches' output projections (`output_projections`) start at zero instead;
+    every other parameter draws exactly the values it draws without it (each has generators of its own).
     Buffers are reset too: an MoE selection bias starts at zero."""
     rules = declared_init_rules(model)
+    if zero_out_proj:
+        rules.update(dict.fromkeys(output_projections(model), "zero"))
     for name, param in model.named_parameters():
         role = init_role(name, param, rules)
         local, corner = local_block(param)

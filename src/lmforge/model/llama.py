@@ -131,7 +131,7 @@ class DecoderLayer(nn.Module):
         self.mlp: MLP | MoE = (
             MoE(spec, arch.hidden_size)
             if spec is not None and arch.is_moe_layer(index)
-            else MLP(arch.hidden_size, arch.intermediate_size)
+            else MLP(arch.hidden_size, arch.intermediate_size, arch.mlp_act)
         )
         self.attn_hc: HyperConnection | None = None
         self.mlp_hc: HyperConnection | None = None

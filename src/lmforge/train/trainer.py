@@ -209,7 +209,7 @@ class Trainer:
         if config.model.name is None or config.model.debug.random_init:
             init = config.model.init
             stds = {n: scale(param_role(n, p.ndim)).init_std for n, p in self.model.named_parameters()}
-            init_weights(self.model, init.std, init.seed, init.truncate, stds)
+            init_weights(self.model, init.std, init.seed, init.truncate, stds, zero_out_proj=init.zero_out_proj)
         else:
             from lmforge.hf.weights import load_hf_weights
 
