@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,17 @@ def test_worker_scores_each_snapshot_once_like_the_trainer_would(tmp_path: Path)
         assert got["val/held/bpb@32"] == pytest.approx(want["val/held/bpb@32"], rel=1e-5, abs=1e-6)
         for key in ("val/words/word_perplexity@32", "val/words/bpb@32", "val/quiz/acc_norm@32"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+    # `eval --model`: the final weights, exported, scored once on the run's [val] sets, as the trainer scored them
+    export = tmp_path / "export"
+    assert run_cli(["export", str(tmp_path / "inline"), "-o", str(export), "--dtype", "float32"]).returncode == 0
+    once = run_cli(["eval", "--model", str(export), "--config", str(tmp_path / "inline" / "config.toml"),
+                    "--json", str(tmp_path / "once.json")])  # fmt: skip
+    assert once.returncode == 0, once.stderr[-3000:]
+    scored_once = json.loads((tmp_path / "once.json").read_text())
+    final = expected[-1]
+    for key in ("val/held/loss@32", "val/held/bpb@32", "val/words/word_perplexity@32", "val/quiz/acc_norm@32"):
+        assert scored_once[key] == pytest.approx(final[key], rel=1e-5, abs=1e-6), key
+    assert f"val/held/loss@32 {final['val/held/loss@32']:.4f}" in once.stdout
 
 
 def test_worker_refuses_a_run_without_val_sets(tmp_path: Path) -> None:
@@ -65,6 +77,12 @@ def test_worker_refuses_a_run_without_val_sets(tmp_path: Path) -> None:
     assert result.returncode == 2 and "no [val] sets" in result.stderr
     missing = run_cli(["eval", str(tmp_path / "nowhere")])
     assert missing.returncode == 2 and "not a run directory" in missing.stderr
+    no_config = run_cli(["eval", "--model", str(tmp_path / "bare")])
+    assert no_config.returncode == 2 and "--model takes --config CONFIG" in no_config.stderr
+    not_model = run_cli(["eval", "--model", str(tmp_path / "bare"), "--config", str(cfg)])
+    assert not_model.returncode == 2 and "not a model folder (no config.json)" in not_model.stderr
+    neither = run_cli(["eval"])
+    assert neither.returncode == 2 and "give a run directory" in neither.stderr
 
 
 def test_worker_logs_to_a_wandb_run_beside_the_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,10 @@ snapshot, loads it into the model, runs one validation round, logs the metrics a
 snapshot of the run's last step.
 A worker killed and started again continues with the snapshots still there; one killed after logging but before
 deleting finds the mark and deletes the snapshot without scoring it again.
+
+`score_model` is the one-off form (`lmforge eval --model FOLDER --config CONFIG`): one validation round of a
+model folder (an HF export, or any Llama-family folder lmforge loads) on a training config's `[val]` sets, scored
+exactly as training scores them.
 """
 
 from __future__ import annotations
@@ -113,5 +117,28 @@ def run_worker(run: Path, config: TrainConfig, poll_seconds: float = 10.0, lates
                 break
         if monitor is not None:
             monitor.close()
+    finally:
+        shutdown_distributed()
+
+
+def score_model(config: TrainConfig) -> dict[str, float]:
+    """One validation round of the model `config.model.name` names (an HF folder) on `config`'s `[val]` sets, on
+    this process's rank (plain or under torchrun: rows are dealt over the ranks and the sums all-reduced). The
+    model is built as training builds it from that folder, so the figures are those the same weights would get as a
+    training run's `val/*` metrics."""
+    from lmforge.data.tokenizer import load_tokenizer
+    from lmforge.eval.validation import Validator
+    from lmforge.hf.weights import load_hf_weights
+    from lmforge.parallel.model_setup import build_run_model
+    from lmforge.parallel.process_group import init_distributed, shutdown_distributed
+
+    assert config.model.name is not None, "score_model needs model.name"
+    ctx = init_distributed()
+    try:
+        tokenizer = load_tokenizer(config.tokenizer.name) if config.tokenizer.name else None
+        model = build_run_model(config, tokenizer, ctx)
+        load_hf_weights(model, Path(config.model.name))
+        validator = Validator(config.val, config.data, tokenizer, ctx.dp_rank, ctx.dp_size, ctx.cp, ctx.counts_tokens)
+        return validator.evaluate(model, ctx.device)
     finally:
         shutdown_distributed()
