@@ -315,6 +315,51 @@ def check_moe_options(figures: Any, result: Result, tmp_path: Path) -> None:
     assert "gate_headwise" in result.stdout and "| `null_experts` |" in result.stdout
 
 
+def check_speedrun(figures: Any, result: Result, tmp_path: Path) -> None:
+    """`speedrun.py --smoke` sweeps the baseline's lr, sets the target from its best run, reads lmforge's time to
+    target off its own validation, and `lmforge eval --model` scores the baseline's export as the baseline did."""
+
+    def reach(curve: list[list[float]], target: float) -> float:
+        # the first evaluation at or under the target, the time linear between it and the one before
+        hit = next((i for i, c in enumerate(curve) if c[3] <= target), None)
+        if hit is None or hit == 0:
+            return math.inf if hit is None else curve[0][2]
+        (_, _, t0, l0), (_, _, t1, l1) = curve[hit - 1], curve[hit]
+        return t0 + (t1 - t0) * (l0 - target) / (l0 - l1)
+
+    s = figures["settings"]
+    assert figures["baseline_steps"] == s["steps"]
+    lrs = [row["lr"] for row in figures["sweep"]]
+    best = min(figures["sweep"], key=lambda row: row["best_heldout"])
+    assert figures["best_lr"] == best["lr"] and figures["target"] == best["best_heldout"]
+    # the sweep: the lrs asked for, and one 2x beyond an edge while the best sat at that edge
+    assert lrs == sorted(lrs) and set(s["baseline_lrs"]) <= set(lrs)
+    assert lrs[0] < best["lr"] < lrs[-1] or len(lrs) == len(s["baseline_lrs"]) + s["max_extend"]
+    assert all(lr * 2 in lrs or lr / 2 in lrs for lr in set(lrs) - set(s["baseline_lrs"]))
+    (base,) = figures["baseline"]
+    evals = [c[0] for c in base["curve"]]
+    assert evals == list(range(0, s["steps"] + 1, s["eval_every"]))
+    assert base["time_to_target"] == pytest.approx(reach(base["curve"], figures["target"]))
+    assert base["time_to_target"] <= base["train_s"]
+    assert [r["steps"] for r in figures["lmforge"]] == [round(f * s["steps"]) for f in s["fractions"]]
+    # lmforge's lr: the best of its sweep at seed 0 in the longest run, then every run at that lr
+    ours_best = min(figures["lmforge_sweep"], key=lambda row: row["best_heldout"])
+    assert [row["lr"] for row in figures["lmforge_sweep"]] == s["lmforge_lrs"]
+    assert figures["lmforge_lr"] == ours_best["lr"] and {r["lr"] for r in figures["lmforge"]} == {ours_best["lr"]}
+    for run in figures["lmforge"]:
+        assert [c[0] for c in run["curve"]] == list(range(s["eval_every"], run["steps"] + 1, s["eval_every"]))
+        assert run["curve"][-1][2] == pytest.approx(run["train_s"])
+        assert run["curve"][-1][1] == run["steps"] * s["batch_tokens"]
+        assert run["time_to_target"] == pytest.approx(reach(run["curve"], figures["target"]))
+    ours = min(r["time_to_target"] for r in figures["lmforge"])
+    assert figures["time_to_target"]["lmforge"]["median"] == ours
+    assert figures["ratio"] == (ours / base["time_to_target"] if math.isfinite(ours) else math.inf)
+    # the two scorers: the baseline's own held-out loss of its final weights and `lmforge eval --model`'s
+    scorers = figures["scorers"]
+    assert scorers["baseline"] == best["final_heldout"] and scorers["diff"] <= 1e-3 and scorers["agree"]
+    assert "Time to held-out loss" in result.stdout and "lmforge eval" in result.stdout
+
+
 Check = Callable[[Any, Result, Path], None]
 
 # One row per script: its name under benchmarks/, the arguments after `--smoke` (`{tmp}` stands for the test's
@@ -343,6 +388,7 @@ BENCHMARKS = [
                  marks=pytest.mark.long),
     pytest.param("moe_options.py", ["--data-dir", "{tmp}/demo"], 240, check_moe_options, id="moe_options",
                  marks=pytest.mark.long),
+    pytest.param("speedrun.py", ["--data-dir", "{tmp}/demo"], 300, check_speedrun, id="speedrun"),
 ]
 
 
