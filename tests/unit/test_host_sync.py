@@ -246,7 +246,7 @@ CASES: dict[str, Any] = {
 REDUCTION_READ = "Tensor.cpu at src/lmforge/train/metrics.py"
 """The step's one read: the values of its SUM and MAX all-reduce, on the host once (`reduce_step_stats`)."""
 
-MUON_TABLE_READ = "Tensor.tolist at src/lmforge/optim/muon.py"
+MUON_TABLE_READ = "Tensor.tolist at src/lmforge/optim/muon_sharded.py"
 """Sharded Muon's row table: read at a run's first step only (one all_gather per process group), kept after."""
 
 LOOP_READ = "Tensor.tolist at src/lmforge/model/moe.py"

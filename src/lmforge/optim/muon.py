@@ -21,12 +21,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lmforge.optim.muon_sharded import (
+    gather_tensor_parallel,
+    local,
+    row_table,
+    shard_group,
+    step_sharded,
+    tensor_split,
+)
 from lmforge.optim.normuon import normalize_rows
 from lmforge.optim.polar import DEFAULT_NS_COEFFICIENTS, newton_schulz, polar_express
 
 if dist.is_available():
     from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor.placement_types import _StridedShard
 else:  # a torch built without distributed support can still use the local path
     DTensor = None  # type: ignore[assignment,misc]
 
@@ -58,79 +65,12 @@ ADJUST_LR: dict[str, Callable[[int, int], float]] = {
 """Learning-rate multipliers by `adjust_lr` name, as functions of the matrix shape (rows, cols)."""
 
 
-def _local(t: Tensor) -> Tensor:
-    # in-place ops on a DTensor's local view write through to the DTensor's storage
-    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
-
-
-def _shard_group(p: Tensor) -> dist.ProcessGroup | None:
-    """The process group over whose ranks a 2-D matrix's rows are split, or None when this rank's part can be
-    orthogonalized where it is: a whole matrix, or the whole experts of a 3-D stack."""
-    if DTensor is None or not isinstance(p, DTensor):
-        return None
-    mesh = p.device_mesh
-    if p.ndim == 3:
-        # split along experts, every rank's shard holds whole experts, so per-expert Muon needs no collective (and
-        # no assumption about which ranks the mesh spans: expert parallelism puts stacks on their own mesh)
-        if not all(pl.is_replicate() or pl.is_shard(0) for pl in p.placements):
-            raise NotImplementedError(
-                f"Muon orthogonalizes a 3-D expert stack per expert, on each rank's own experts, so the stack must "
-                f"be split along dim 0 (Shard(0), FSDP2's default) or replicated; got placements {p.placements} "
-                f"on a {mesh.ndim}-D mesh for a parameter of shape {tuple(p.shape)}"
-            )
-        return None
-    if mesh.size() == 1 or all(pl.is_replicate() for pl in p.placements):
-        return None
-    sharded = [d for d, pl in enumerate(p.placements) if not pl.is_replicate()]
-    if _tensor_split(p) is not None:
-        sharded = sharded[:-1]  # the rows each rank holds once its tensor-parallel part is gathered
-        if not sharded:
-            return None
-    if len(sharded) != 1 or not _rows_split(p.placements[sharded[0]]):
-        raise NotImplementedError(
-            f"Muon supports DTensors sharded Shard(0) along one mesh dimension and replicated along the others "
-            f"(FSDP2 and HSDP), got placements {p.placements} on a {mesh.ndim}-D mesh for a parameter of shape "
-            f"{tuple(p.shape)}"
-        )
-    if mesh.size(sharded[0]) == 1:
-        return None  # replica groups of one rank: each holds whole matrices
-    # Under HSDP every replica group holds the same gradient (reduced across the groups), so each orthogonalizes
-    # its own copy over the ranks it is sharded across, and all groups reach the same update.
-    return mesh.get_group(sharded[0])
-
-
-def _rows_split(placement: Any) -> bool:
-    """Whether a placement splits a matrix by rows: `Shard(0)`, or FSDP2's strided `Shard(0)` outside a
-    tensor-parallel split of the same dimension."""
-    return placement.is_shard(0) or (isinstance(placement, _StridedShard) and placement.dim == 0)
-
-
-def _tensor_split(p: Tensor) -> tuple[dist.ProcessGroup, int] | None:
-    """For a matrix split by tensor parallelism (its columns, or its rows inside FSDP's rows, on the mesh's last
-    dimension), the TP group and the dimension it splits; None for any other layout (a row split on its own is
-    FSDP's, `_shard_group`)."""
-    if DTensor is None or not isinstance(p, DTensor) or p.ndim != 2:
-        return None
-    mesh, placements = p.device_mesh, p.placements
-    last = placements[-1]
-    sharded = [pl for pl in placements if not pl.is_replicate()]
-    if mesh.size(mesh.ndim - 1) == 1 or not (last.is_shard(1) or (last.is_shard(0) and len(sharded) > 1)):
-        return None
-    return mesh.get_group(mesh.ndim - 1), 0 if last.is_shard(0) else 1
-
-
-def _flat_cat(parts: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
-    if not parts:
-        return torch.empty(0, dtype=dtype, device=device)
-    return torch.cat([t.reshape(-1).to(dtype) for t in parts])
-
-
 def _same(rows: Tensor) -> Tensor:
     return rows
 
 
 @dataclass
-class _Matrix:
+class MatrixWork:
     """One parameter's work in a step: its update direction `u` (this rank's rows, each whole) before
     orthogonalization, with NorMuon its rows' second moments `v`, and how this rank's part of the parameter (and of
     its row state) is taken from those rows of the result."""
@@ -144,7 +84,7 @@ class _Matrix:
     """This rank's part of the parameter's row state, which the step overwrites."""
     take: Callable[[Tensor], Tensor] = _same
     """From this rank's rows of the orthogonalized matrix, its part of the parameter (under tensor parallelism
-    the rows hold every TP rank's part; see `_gather_tensor_parallel`)."""
+    the rows hold every TP rank's part; see `muon_sharded.gather_tensor_parallel`)."""
     take_v: Callable[[Tensor], Tensor] = _same
     """From the new second moments of those rows, this rank's part of the row state."""
 
@@ -274,7 +214,7 @@ class Muon(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
         self._tables: dict[dist.ProcessGroup, list[list[int]]] = {}
-        """Each process group's row table (`_row_table`), kept between steps."""
+        """Each process group's row table (`muon_sharded.row_table`), kept between steps."""
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore as torch does; groups saved before the variant options existed get them off."""
@@ -302,12 +242,12 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        sharded: dict[dist.ProcessGroup, list[tuple[Tensor, dict[str, Any], _Matrix | None]]] = {}
-        split: dict[dist.ProcessGroup, list[tuple[_Matrix, int]]] = {}
-        gathered: list[_Matrix] = []  # orthogonalized where they are once their TP parts are gathered
+        sharded: dict[dist.ProcessGroup, list[tuple[Tensor, dict[str, Any], MatrixWork | None]]] = {}
+        split: dict[dist.ProcessGroup, list[tuple[MatrixWork, int]]] = {}
+        gathered: list[MatrixWork] = []  # orthogonalized where they are once their TP parts are gathered
         for group in self.param_groups:
             for p in group["params"]:
-                pg, tp = _shard_group(p), _tensor_split(p)
+                pg, tp = shard_group(p), tensor_split(p)
                 work = None
                 if tp is not None and p.grad is not None:
                     # its direction is needed before the TP gather below; the others' as they are stepped
@@ -322,24 +262,29 @@ class Muon(torch.optim.Optimizer):
                     work = self._work(p, group)
                     work.apply(*work.direction(work.u, work.v))
         for tp_group, works in split.items():
-            _gather_tensor_parallel(tp_group, works)
+            gather_tensor_parallel(tp_group, works)
         for work in gathered:
             work.apply(*work.direction(work.u, work.v))
         for pg, params in sharded.items():
-            self._step_sharded(pg, params)
+            step_sharded(pg, params, self._row_table, self._work)
         return loss
 
-    def _work(self, p: Tensor, group: dict[str, Any]) -> _Matrix:
+    def _work(self, p: Tensor, group: dict[str, Any]) -> MatrixWork:
         """The step's work on `p`: its momentum direction and, with NorMuon, its row state (made at the first
         step: zeros [..., A, 1], a DTensor sharded like `p`'s rows for a DTensor `p`)."""
         u = self._momentum_direction(p, group)
         if not group["normuon"]:
-            return _Matrix(p, group, u)
+            return MatrixWork(p, group, u)
         state = self.state[p]
         if ROW_MOMENT not in state:
             state[ROW_MOMENT] = _row_state_like(p)
-        v = _local(state[ROW_MOMENT])
-        return _Matrix(p, group, u, v=v, v_state=v)
+        v = local(state[ROW_MOMENT])
+        return MatrixWork(p, group, u, v=v, v_state=v)
+
+    def _row_table(self, pg: dist.ProcessGroup, mine: list[int], world: int, device: torch.device) -> list[list[int]]:
+        """The rows of each matrix every rank of `pg` holds (`muon_sharded.row_table`, kept between steps); a
+        method, so that `lmforge plan` can give an instance host-made tables (`lmforge.plan.muon`)."""
+        return row_table(self._tables, pg, mine, world, device)
 
     def _momentum_direction(self, p: Tensor, group: dict[str, Any]) -> Tensor:
         """Update the momentum buffer and return the direction `u` to orthogonalize, both as this rank's rows (of a
@@ -349,164 +294,20 @@ class Muon(torch.optim.Optimizer):
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        buf = _local(state["momentum_buffer"])
-        grad = _local(p.grad)
+        buf = local(state["momentum_buffer"])
+        grad = local(p.grad)
         momentum = group["momentum"]
         buf.lerp_(grad, 1 - momentum)
         return grad.lerp(buf, momentum) if group["nesterov"] else buf
 
-    def _row_table(self, pg: dist.ProcessGroup, mine: list[int], world: int, device: torch.device) -> list[list[int]]:
-        """How many rows of each matrix every rank of `pg` holds (`mine`: this rank's, -1 where it has no
-        gradient), so that all ranks take the same decisions and size the exchanges alike. One small all_gather
-        (and its host read) makes the table; it is kept and used again while this rank's own column stays the same,
-        which in a run is every step after the first: the rows are fixed by the sharding, and FSDP2 gives a sharded
-        parameter its gradient on every rank of its mesh together."""
-        kept = self._tables.get(pg)
-        if kept is not None and kept[dist.get_rank(pg)] == mine:
-            return kept
-        table = [torch.empty(len(mine), dtype=torch.int64, device=device) for _ in range(world)]
-        dist.all_gather(table, torch.tensor(mine, dtype=torch.int64, device=device), group=pg)
-        rows = [t.tolist() for t in table]
-        self._tables[pg] = rows
-        return rows
 
-    def _step_sharded(self, pg: dist.ProcessGroup, params: list[tuple[Tensor, dict[str, Any], _Matrix | None]]) -> None:
-        """Step the matrices sharded over `pg` (each with its group and, when its TP parts were gathered, its work):
-        each is orthogonalized whole by its owner and its rows sent back."""
-        world = dist.get_world_size(pg)
-        rank = dist.get_rank(pg)
-        device = _local(params[0][0]).device
-
-        mine_rows = [
-            w.u.shape[0] if w is not None else _local(p).shape[0] if p.grad is not None else -1 for p, _, w in params
-        ]
-        rows_by_rank = self._row_table(pg, mine_rows, world, device)  # [rank][param]
-        keep = []
-        for j, (p, _, _) in enumerate(params):
-            held = [rows_by_rank[r][j] for r in range(world)]
-            if all(n < 0 for n in held):
-                continue
-            if any(n < 0 for n in held):
-                raise RuntimeError(f"Muon: a {tuple(p.shape)} parameter has a gradient on some ranks only")
-            if sum(held) != p.shape[0]:
-                raise RuntimeError(f"Muon: the ranks hold {held} rows of a {tuple(p.shape)} parameter")
-            keep.append(j)
-        if not keep:
-            return
-        work = [params[j][2] or self._work(*params[j][:2]) for j in keep]
-        rows = [[rows_by_rank[r][j] for j in keep] for r in range(world)]  # [rank][matrix]
-        cols = [w.u.shape[1] for w in work]
-        # NorMuon's row state travels with its rows, as one more value per row after the matrix's block of u
-        width = [c + (w.v is not None) for c, w in zip(cols, work, strict=True)]
-        dtype = work[0].u.dtype
-        for w in work:
-            dtype = torch.promote_types(dtype, w.u.dtype)
-            if w.v is not None:
-                dtype = torch.promote_types(dtype, w.v.dtype)
-
-        n = len(work)
-        owned_by = [[i for i in range(n) if i % world == r] for r in range(world)]
-        mine = owned_by[rank]
-
-        # exchange 1: each rank sends its rows of u (and v) to each matrix's owner; sizes are known everywhere from
-        # the row table, so all_to_all_single needs no padding
-        send_splits = [sum(rows[rank][i] * width[i] for i in owned_by[d]) for d in range(world)]
-        recv_splits = [sum(rows[s][i] * width[i] for i in mine) for s in range(world)]
-        send = _flat_cat(
-            [t for d in range(world) for i in owned_by[d] for t in (work[i].u, work[i].v) if t is not None],
-            dtype,
-            device,
-        )
-        for w in work:
-            w.u, w.v = None, None  # type: ignore[assignment]  # the send buffer holds them; frees nesterov's temporary
-        recv = send.new_empty(sum(recv_splits))
-        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=pg)
-        del send
-
-        pieces: dict[int, list[tuple[Tensor, Tensor | None]]] = {i: [] for i in mine}
-        for s, from_s in enumerate(recv.split(recv_splits)):
-            for i, flat in zip(mine, from_s.split([rows[s][i] * width[i] for i in mine]), strict=True):
-                pieces[i].append(_rows_of(flat, rows[s][i], cols[i], width[i]))
-        ortho: dict[int, tuple[Tensor, Tensor | None]] = {}
-        for i in mine:
-            full_v = torch.cat([v for _, v in pieces[i]]) if width[i] > cols[i] else None  # type: ignore[misc]
-            o, v = work[i].direction(torch.cat([u for u, _ in pieces[i]]), full_v)
-            ortho[i] = (o.to(dtype), None if v is None else v.to(dtype))
-        del pieces, recv
-
-        # exchange 2: the owner sends each rank its rows of the orthogonalized matrix (and their new v)
-        first_row = [[sum(rows[r][i] for r in range(d)) for i in range(n)] for d in range(world)]
-        back = _flat_cat(
-            [
-                t.narrow(0, first_row[d][i], rows[d][i])
-                for d in range(world)
-                for i in mine
-                for t in ortho[i]
-                if t is not None
-            ],
-            dtype,
-            device,
-        )
-        del ortho
-        received = back.new_empty(sum(send_splits))
-        dist.all_to_all_single(received, back, send_splits, recv_splits, group=pg)
-        del back
-
-        for d, from_d in enumerate(received.split(send_splits)):
-            sizes = [rows[rank][i] * width[i] for i in owned_by[d]]
-            for i, flat in zip(owned_by[d], from_d.split(sizes), strict=True):
-                work[i].apply(*_rows_of(flat, rows[rank][i], cols[i], width[i]))
-
-
-def _rows_of(flat: Tensor, rows: int, cols: int, width: int) -> tuple[Tensor, Tensor | None]:
-    """One matrix's block of an exchange buffer: its rows [rows, cols], then (when `width` > `cols`) their row
-    state [rows, 1]."""
-    if width == cols:
-        return flat.view(rows, cols), None
-    u, v = flat.split([rows * cols, rows])
-    return u.view(rows, cols), v.view(rows, 1)
-
-
-def _gather_tensor_parallel(group: dist.ProcessGroup, works: list[tuple[_Matrix, int]]) -> None:
-    """Replace each matrix's `u` (this rank's part of its rows: some of the rows, split along `dim` over the TP
-    `group`) by the whole rows its TP group holds, in one all-gather for all of them, and set `take` to cut this
-    rank's part back out of the result. Newton–Schulz commutes with permuting rows, so the order in which the
-    gathered rows stand does not matter, only that the owner puts them back the same way."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    mats = [w for w, _ in works]
-    # a row split spreads the rows' NorMuon state too; under a column split every TP rank holds all of it already
-    moves_v = [w.v is not None and dim == 0 for w, dim in works]
-    dtype = mats[0].u.dtype
-    for w, with_v in zip(mats, moves_v, strict=True):
-        dtype = torch.promote_types(dtype, w.u.dtype)
-        if with_v:
-            dtype = torch.promote_types(dtype, w.v.dtype)  # type: ignore[union-attr]
-    sent = [[w.u, w.v] if with_v else [w.u] for w, with_v in zip(mats, moves_v, strict=True)]
-    flat = _flat_cat([t for ts in sent for t in ts], dtype, mats[0].u.device)
-    gathered = flat.new_empty(size * flat.numel())
-    dist.all_gather_into_tensor(gathered, flat, group=group)
-    parts = gathered.view(size, -1).split([sum(t.numel() for t in ts) for ts in sent], dim=1)
-    for (w, dim), with_v, part in zip(works, moves_v, parts, strict=True):
-        r, c = w.u.shape
-        whole = part[:, : r * c].reshape(size, r, c)
-        if dim == 0:  # rows split: rank 0's rows, then rank 1's, and so on
-            w.u = whole.reshape(size * r, c)
-            w.take = lambda o, r=r: o.narrow(0, rank * r, r)
-            if with_v:
-                w.v = part[:, r * c :].reshape(size * r, 1)
-                w.take_v = lambda v, r=r: v.narrow(0, rank * r, r)
-        else:  # columns split: the ranks' columns side by side
-            w.u = whole.permute(1, 0, 2).reshape(r, size * c)
-            w.take = lambda o, c=c: o.narrow(1, rank * c, c)
-
-
-def _apply_update(work: _Matrix, ortho_rows: Tensor) -> None:
+def _apply_update(work: MatrixWork, ortho_rows: Tensor) -> None:
     """Decoupled weight decay (cautious or not), then the scaled orthogonalized step, on this rank's rows of the
     parameter."""
     group = work.group
     lr = float(group["lr"])
     rows, cols = work.param.shape[-2:]  # for an expert stack, each expert's shape
-    p = _local(work.param)
+    p = local(work.param)
     if group["weight_decay"]:
         if group["cautious_weight_decay"]:
             # decay only where it pulls the same way as the update (u * p >= 0); the update is a positive multiple
@@ -522,8 +323,8 @@ def _row_state_like(p: Tensor) -> Tensor:
     """Zeros [..., A, 1] for a parameter [..., A, B], in its dtype and on its device; for a DTensor, a DTensor on the
     same mesh whose rows are split as the parameter's (a split of the columns becomes a replication), so that each
     rank holds its own rows' state and checkpoints save and reload it like the momentum buffer."""
-    local = _local(p)
-    zeros = torch.zeros((*local.shape[:-1], 1), dtype=local.dtype, device=local.device)
+    mine = local(p)
+    zeros = torch.zeros((*mine.shape[:-1], 1), dtype=mine.dtype, device=mine.device)
     if DTensor is None or not isinstance(p, DTensor):
         return zeros
     last = p.ndim - 1

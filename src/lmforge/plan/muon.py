@@ -1,6 +1,7 @@
 """Muon in a plan: sharded Muon reads one small table on the host (how many rows of each matrix every rank holds,
-`Muon._row_table`), which fake tensors cannot give. The plan's own optimizers fill it on the host instead, with
-every rank holding what rank 0 holds, which sizes Muon's gathers and scatters as an even sharding would."""
+`Muon._row_table`, made by `lmforge.optim.muon_sharded.row_table`), which fake tensors cannot give. The plan's own
+optimizers fill it on the host instead, with every rank holding what rank 0 holds, which sizes Muon's gathers and
+scatters as an even sharding would."""
 
 from __future__ import annotations
 
