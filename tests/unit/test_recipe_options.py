@@ -314,3 +314,25 @@ def test_a_training_run_starts_from_the_zeroed_projections(tmp_path: Path) -> No
             assert not p.any() and weights[False][name].any(), name
         else:
             assert torch.equal(p, weights[False][name]), name
+
+
+def test_lr_multipliers_scale_their_roles_only() -> None:
+    """`optim.lr_multipliers` multiplies the named roles' peak lr (Muon's and AdamW's groups alike), on top of
+    CompleteP's factors; an unknown role is an error naming the field and the roles."""
+    from lmforge.config.optim import MuonConfig
+
+    model = build_model(tiny_llama(), VOCAB, "sdpa", CPU)
+    plain = {g["name"]: g["lr"] for g in build_optimizer(model, MuonConfig(lr=0.01, adamw_lr=0.002)).param_groups}
+    cfg = MuonConfig(lr=0.01, adamw_lr=0.002, lr_multipliers={"embed": 4.0, "hidden": 0.5})
+    scaled = {g["name"]: g["lr"] for g in build_optimizer(model, cfg).param_groups}
+    assert plain["embed"] == 0.002 and plain["hidden"] == 0.01
+    assert scaled == {**plain, "embed": 0.008, "hidden": 0.005}
+    arch = tiny_llama()
+    completep = role_scales(arch, "completep", arch.hidden_size // 2, arch.num_hidden_layers)
+    both = {g["name"]: g["lr"] for g in build_optimizer(model, cfg, completep).param_groups}
+    base = MuonConfig(lr=0.01, adamw_lr=0.002)
+    alone = {g["name"]: g["lr"] for g in build_optimizer(model, base, completep).param_groups}
+    assert alone["embed"] != plain["embed"] or alone["hidden"] != plain["hidden"]  # CompleteP moves some lr
+    assert both["embed"] == pytest.approx(alone["embed"] * 4) and both["hidden"] == pytest.approx(alone["hidden"] / 2)
+    with pytest.raises(ConfigError, match=r"optim.lr_multipliers: unknown role\(s\) \['embeddings'\]; the roles"):
+        build_optimizer(model, MuonConfig(lr=0.01, lr_multipliers={"embeddings": 2.0}))

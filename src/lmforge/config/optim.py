@@ -30,6 +30,12 @@ class _OptimFields(Section):
     max_norm: float = Field(default=1.0, ge=0)
     """Clip the global gradient norm to this value; 0 turns clipping off (the norm is still logged)."""
 
+    lr_multipliers: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
+    """Per-role factors on the peak learning rate, by the role names of `optim/lr/<role>` (`embed`, `head`, `norm`,
+    `hidden`, `residual_out`, `expert_hidden`, `expert_out`, `router`, `bias`, `hyper`), e.g. `{ embed = 4.0, head =
+    0.5 }` to tune an untied embedding and LM head on their own; on top of CompleteP's factors. Weight decay stays
+    decoupled (`lr x weight_decay` per step), so it scales with the factor too. Empty: 1 everywhere."""
+
 
 class AdamWConfig(_OptimFields):
     """`optim.type = "adamw"`: decoupled weight decay Adam (PyTorch's fused kernel) for every parameter."""

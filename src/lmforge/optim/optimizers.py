@@ -12,10 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmforge.config import ConfigError
 from lmforge.config.optim import MuonConfig, OptimConfig, ScheduleConfig
 from lmforge.model.completep import STANDARD, RoleScale
 from lmforge.optim.clipping import clip_gradients, group_grad_squares
-from lmforge.optim.groups import DECAYED_ROLES, MATRIX_ROLES, params_by_role
+from lmforge.optim.groups import DECAYED_ROLES, MATRIX_ROLES, ROLES, params_by_role
 from lmforge.optim.schedule import wsd_multiplier
 
 EXPERT_ROLES = frozenset({"expert_hidden", "expert_out"})
@@ -134,9 +135,10 @@ def build_optimizer(
     max_steps: int = 1,
 ) -> Optimizers:
     """Groups by parameter role, each with its learning rate, weight decay and eps times the role's `scale`
-    (CompleteP; 1 otherwise). Muon takes the matrix roles and, with `cfg.muon_experts`, the expert stacks (minus
-    `adamw_params`, whose groups are named `<role>_adamw`), AdamW the rest. With `schedule`, `Optimizers.update`
-    follows it over `max_steps`; clipping uses `cfg.max_norm`."""
+    (CompleteP; 1 otherwise), and its learning rate times the role's factor in `cfg.lr_multipliers`. Muon takes the
+    matrix roles and, with `cfg.muon_experts`, the expert stacks (minus `adamw_params`, whose groups are named
+    `<role>_adamw`), AdamW the rest. With `schedule`, `Optimizers.update` follows it over `max_steps`; clipping uses
+    `cfg.max_norm`."""
     muon_groups, adamw_groups = _plan_groups(model, cfg, scale)
     adamw_lr = (cfg.adamw_lr or cfg.lr) if isinstance(cfg, MuonConfig) else cfg.lr
     optimizers: list[torch.optim.Optimizer] = []
@@ -183,21 +185,27 @@ def _plan_groups(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Muon's and AdamW's parameter groups of `model` (see `build_optimizer`)."""
     by_role = params_by_role(model)
+    unknown = sorted(set(cfg.lr_multipliers) - set(ROLES))
+    if unknown:
+        raise ConfigError(f"optim.lr_multipliers: unknown role(s) {unknown}; the roles are {', '.join(ROLES)}")
     adamw_lr = (cfg.adamw_lr or cfg.lr) if isinstance(cfg, MuonConfig) else cfg.lr
     muon_groups: list[dict[str, Any]] = []
     adamw_groups: list[dict[str, Any]] = []
     for role, named in by_role.items():
         s = scale(role)
+        factor = cfg.lr_multipliers.get(role, 1.0)
         decay = cfg.weight_decay if role in DECAYED_ROLES else 0.0
         if isinstance(cfg, MuonConfig) and (role in MATRIX_ROLES or (cfg.muon_experts and role in EXPERT_ROLES)):
             moved = [(n, p) for n, p in named if any(fnmatch.fnmatchcase(n, pat) for pat in cfg.adamw_params)]
             kept = [(n, p) for n, p in named if (n, p) not in moved]
             if kept:
                 # lr x weight decay stays constant per role, as for the AdamW groups.
-                muon_groups.append(_group(role, kept, cfg.lr * s.muon_lr, decay / s.muon_lr))
+                muon_groups.append(_group(role, kept, cfg.lr * s.muon_lr * factor, decay / s.muon_lr))
             named, role = moved, f"{role}_adamw"
         if named:
-            adamw_groups.append(_group(role, named, adamw_lr * s.lr, decay * s.weight_decay, eps=cfg.eps * s.eps))
+            adamw_groups.append(
+                _group(role, named, adamw_lr * s.lr * factor, decay * s.weight_decay, eps=cfg.eps * s.eps)
+            )
     return muon_groups, adamw_groups
 
 
