@@ -344,7 +344,9 @@ def check_speedrun(figures: Any, result: Result, tmp_path: Path) -> None:
     assert [r["steps"] for r in figures["lmforge"]] == [round(f * s["steps"]) for f in s["fractions"]]
     # lmforge's lr: the best of its sweep at seed 0 in the longest run, then every run at that lr
     ours_best = min(figures["lmforge_sweep"], key=lambda row: row["best_heldout"])
-    assert [row["lr"] for row in figures["lmforge_sweep"]] == s["lmforge_lrs"]
+    ours_lrs = [row["lr"] for row in figures["lmforge_sweep"]]
+    assert ours_lrs[: len(s["lmforge_lrs"])] == s["lmforge_lrs"]
+    assert len(ours_lrs) <= len(s["lmforge_lrs"]) + s["max_extend"]
     assert figures["lmforge_lr"] == ours_best["lr"] and {r["lr"] for r in figures["lmforge"]} == {ours_best["lr"]}
     for run in figures["lmforge"]:
         assert [c[0] for c in run["curve"]] == list(range(s["eval_every"], run["steps"] + 1, s["eval_every"]))
@@ -358,6 +360,26 @@ def check_speedrun(figures: Any, result: Result, tmp_path: Path) -> None:
     scorers = figures["scorers"]
     assert scorers["baseline"] == best["final_heldout"] and scorers["diff"] <= 1e-3 and scorers["agree"]
     assert "Time to held-out loss" in result.stdout and "lmforge eval" in result.stdout
+
+
+def check_speedrun_ablations(figures: Any, result: Result, tmp_path: Path) -> None:
+    """`speedrun_ablations.py --smoke` runs a tiny speedrun, then the default recipe and two options at its target
+    and lr; each option's Δs are its own figures minus the default's, seed by seed."""
+    rows = {r["arm"]: r for r in figures["rows"]}
+    assert list(rows) == ["default", "relu2", "z_loss"] and figures["settings"]["seeds"] == [0]
+    assert figures["options"] == {"relu2": ["--model.arch.hidden_act", "relu2"], "z_loss": ["--model.z_loss", "1e-4"]}
+    runs = figures["runs"]
+    for arm, row in rows.items():
+        (run,) = runs[arm]["0"]
+        assert run["flags"] == (figures["options"][arm] if arm != "default" else [])
+        assert run["lr"] == figures["lmforge_lr"] and run["steps"] == figures["baseline_steps"]
+        assert row["losses"] == [run["final_heldout"]] and row["times"] == [run["time_to_target"]]
+    base = rows["default"]
+    for arm in ("relu2", "z_loss"):
+        row = rows[arm]
+        assert row["loss_deltas"] == [row["losses"][0] - base["losses"][0]] != [0.0], arm
+        assert row["step_time_ratio"] == pytest.approx(row["step_s"] / base["step_s"])
+    assert "Ablations: target" in result.stdout and "relu2" in result.stdout
 
 
 Check = Callable[[Any, Result, Path], None]
@@ -389,6 +411,8 @@ BENCHMARKS = [
     pytest.param("moe_options.py", ["--data-dir", "{tmp}/demo"], 240, check_moe_options, id="moe_options",
                  marks=pytest.mark.long),
     pytest.param("speedrun.py", ["--data-dir", "{tmp}/demo"], 300, check_speedrun, id="speedrun"),
+    pytest.param("speedrun_ablations.py", ["--data-dir", "{tmp}/demo"], 300, check_speedrun_ablations,
+                 id="speedrun_ablations", marks=pytest.mark.long),
 ]
 
 
