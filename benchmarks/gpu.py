@@ -107,9 +107,11 @@ class Size(common.TrainSettings):
         expert, RoPE on whole heads), with the row's FP8 recipe."""
         section = super().model_section(init, **options)
         if self.experts:
-            dense = section["arch"]
+            # the dense fields GLM shares (its own rope base and eps; no hidden_act: its experts' activation is fixed)
+            dense = {k: v for k, v in section["arch"].items() if k not in ("model_type", "rope_theta", "rms_norm_eps",
+                                                                           "hidden_act")}  # fmt: skip
             section["arch"] = Glm4MoeArch(
-                **{k: v for k, v in dense.items() if k not in ("model_type", "rope_theta", "rms_norm_eps")},
+                **dense,
                 moe_intermediate_size=self.expert_size,
                 n_routed_experts=self.experts,
                 num_experts_per_tok=self.top_k,
