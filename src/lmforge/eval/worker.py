@@ -27,7 +27,11 @@ from rich.console import Console
 from lmforge.checkpoint.layout import list_checkpoints
 
 if TYPE_CHECKING:
+    import torch
+
     from lmforge.config.train import TrainConfig
+    from lmforge.eval.validation import Validator
+    from lmforge.parallel.process_group import DistContext
 
 SCORED = "SCORED"
 """Marker file inside a snapshot whose metrics are logged."""
@@ -61,26 +65,14 @@ def run_worker(run: Path, config: TrainConfig, poll_seconds: float = 10.0, lates
 
     from lmforge.checkpoint.layout import SNAPSHOTS, step_name
     from lmforge.checkpoint.load import load_model_state
-    from lmforge.data.tokenizer import load_tokenizer
-    from lmforge.eval.validation import Validator
-    from lmforge.launch.torchrun import env_world_size
     from lmforge.monitor import JsonlMonitor, Monitors
     from lmforge.monitor.wandb import WandbMonitor
-    from lmforge.parallel.model_setup import build_run_model
-    from lmforge.parallel.process_group import init_distributed, shutdown_distributed
+    from lmforge.parallel.process_group import shutdown_distributed
 
-    # The run's context, expert and tensor parallelism when this worker's world size allows them; the numbers are
-    # the same without.
-    world = env_world_size()
-    cp, ep, tp = (degree if world % degree == 0 else 1 for degree in (config.parallel.cp, config.parallel.ep,
-                                                                      config.parallel.tp))  # fmt: skip
-    tp = tp if world % (cp * tp) == 0 else 1
-    ctx = init_distributed(cp=cp, ep=ep, tp=tp)
+    ctx = _scoring_context(config)
     console = Console()
     try:
-        tokenizer = load_tokenizer(config.tokenizer.name) if config.tokenizer.name else None
-        model = build_run_model(config, tokenizer, ctx)
-        validator = Validator(config.val, config.data, tokenizer, ctx.dp_rank, ctx.dp_size, ctx.cp, ctx.counts_tokens)
+        model, validator = _scoring_model(config, ctx)
         monitor = None
         if ctx.is_main:
             monitor = Monitors([JsonlMonitor(run / "metrics.jsonl")])
@@ -126,19 +118,38 @@ def score_model(config: TrainConfig) -> dict[str, float]:
     this process's rank (plain or under torchrun: rows are dealt over the ranks and the sums all-reduced). The
     model is built as training builds it from that folder, so the figures are those the same weights would get as a
     training run's `val/*` metrics."""
-    from lmforge.data.tokenizer import load_tokenizer
-    from lmforge.eval.validation import Validator
     from lmforge.hf.weights import load_hf_weights
-    from lmforge.parallel.model_setup import build_run_model
-    from lmforge.parallel.process_group import init_distributed, shutdown_distributed
+    from lmforge.parallel.process_group import shutdown_distributed
 
     assert config.model.name is not None, "score_model needs model.name"
-    ctx = init_distributed()
+    ctx = _scoring_context(config)
     try:
-        tokenizer = load_tokenizer(config.tokenizer.name) if config.tokenizer.name else None
-        model = build_run_model(config, tokenizer, ctx)
+        model, validator = _scoring_model(config, ctx)
         load_hf_weights(model, Path(config.model.name))
-        validator = Validator(config.val, config.data, tokenizer, ctx.dp_rank, ctx.dp_size, ctx.cp, ctx.counts_tokens)
         return validator.evaluate(model, ctx.device)
     finally:
         shutdown_distributed()
+
+
+def _scoring_context(config: TrainConfig) -> DistContext:
+    """This process's ranks, with the run's context, expert and tensor parallelism where this world size allows them
+    (the numbers are the same without)."""
+    from lmforge.launch.torchrun import env_world_size
+    from lmforge.parallel.process_group import init_distributed
+
+    world = env_world_size()
+    cp, ep, tp = (degree if world % degree == 0 else 1 for degree in (config.parallel.cp, config.parallel.ep,
+                                                                      config.parallel.tp))  # fmt: skip
+    tp = tp if world % (cp * tp) == 0 else 1
+    return init_distributed(cp=cp, ep=ep, tp=tp)
+
+
+def _scoring_model(config: TrainConfig, ctx: DistContext) -> tuple[torch.nn.Module, Validator]:
+    """The run's model (storage unfilled: the caller loads the weights) and its `[val]` sets, for this rank."""
+    from lmforge.data.tokenizer import load_tokenizer
+    from lmforge.eval.validation import Validator
+    from lmforge.parallel.model_setup import build_run_model
+
+    tokenizer = load_tokenizer(config.tokenizer.name) if config.tokenizer.name else None
+    model = build_run_model(config, tokenizer, ctx)
+    return model, Validator(config.val, config.data, tokenizer, ctx.dp_rank, ctx.dp_size, ctx.cp, ctx.counts_tokens)
